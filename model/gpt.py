@@ -1,0 +1,462 @@
+"""The single-file GPT: config, norms, MLPs, positions, every attention module, Block, GPT.
+
+Attention is a config switch (`GPTConfig.attention`). Every attention module has the same
+interface, so Block and GPT never change when a variant is added:
+
+    forward(x, rope, cache=None) -> y     x: (B, T, n_embd); rope: (cos, sin) for these T positions
+    new_cache(batch_size, max_len, device, dtype) -> cache object for cached decoding
+    flops_per_token(seq_len) -> attention-core FLOPs per token (forward + backward), for MFU
+
+With a cache, `forward` appends the T new positions to it and attends over everything cached.
+"""
+import glob
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CHECKPOINT_FORMAT = "attn-lm-checkpoint-v1"
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304          # GPT-2's 50257 padded to a multiple of 64
+    block_size: int = 1024           # training context length
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    head_dim: int | None = None      # None: n_embd // n_head (CASTLE's n_head * head_dim != n_embd)
+    bias: bool = False
+    norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
+    norm_eps: float = 1e-5
+    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d)
+    mlp_hidden: int | None = None    # None: derived from `mlp`, rounded up to `mlp_multiple_of`
+    mlp_multiple_of: int = 1         # 1 keeps 8/3 d unrounded (CASTLE paper); LLaMA uses 256
+    pos: str = "rope"                # "rope" | "learned" | "none"
+    rope_theta: float = 10000.0
+    tie_embeddings: bool = True
+    attention: str = "baseline"
+    dropout: float = 0.0
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            if self.n_embd % self.n_head:
+                raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
+                                 "set head_dim explicitly")
+            self.head_dim = self.n_embd // self.n_head
+        for name, allowed in [("norm", NORMS), ("mlp", MLPS), ("pos", ("rope", "learned", "none")),
+                              ("attention", ATTENTIONS)]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; "
+                                 f"choose one of {sorted(allowed)}")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; use pos=learned or none")
+
+    @classmethod
+    def from_dict(cls, d):
+        """Build from a (Hydra) mapping, ignoring keys that are not model fields; unknown keys error."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config keys {sorted(unknown)}; valid keys: {sorted(known)}")
+        return cls(**dict(d))
+
+
+# ----------------------------------------------------------------------------- norms, MLPs
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def make_norm(config, dim=None):
+    dim = dim or config.n_embd
+    if config.norm == "rmsnorm":
+        return RMSNorm(dim, config.norm_eps)
+    return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
+
+
+NORMS = ("rmsnorm", "layernorm")
+
+
+def mlp_hidden_size(config):
+    if config.mlp_hidden is not None:
+        return config.mlp_hidden
+    hidden = int(8 * config.n_embd / 3) if config.mlp == "swiglu" else 4 * config.n_embd
+    m = config.mlp_multiple_of
+    return m * math.ceil(hidden / m)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden = mlp_hidden_size(config)
+        self.w_gate = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.w_up = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.w_down = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.w_down.residual_proj = True
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        hidden = mlp_hidden_size(config)
+        self.w_up = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.w_down = nn.Linear(hidden, config.n_embd, bias=config.bias)
+        self.w_down.residual_proj = True
+
+    def forward(self, x):
+        return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
+
+
+MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
+
+
+# ----------------------------------------------------------------------------- positions
+
+def rope_tables(head_dim, max_len, theta, device=None):
+    """cos/sin tables (max_len, head_dim // 2) in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, rope):
+    """Rotate (B, H, T, D) by the (cos, sin) tables of its T positions; halves convention."""
+    if rope is None:
+        return x
+    cos, sin = rope
+    x1, x2 = x.float().chunk(2, dim=-1)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return rotated.type_as(x)
+
+
+# ----------------------------------------------------------------------------- attention
+
+ATTENTIONS = {}
+
+
+def register_attention(name):
+    def register(cls):
+        ATTENTIONS[name] = cls
+        return cls
+    return register
+
+
+class KVCache:
+    """Preallocated keys/values (B, H, max_len, D) plus how many positions are filled."""
+
+    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype):
+        self.k = torch.zeros(batch_size, n_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    def append(self, k, v):
+        """Store T new positions; return all cached keys and values so far."""
+        end = self.length + k.size(2)
+        if end > self.k.size(2):
+            raise RuntimeError(f"KV cache overflow: {end} positions > capacity {self.k.size(2)}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+def split_heads(x, n_head):
+    """(B, T, n_head * D) -> (B, n_head, T, D)."""
+    B, T, _ = x.shape
+    return x.view(B, T, n_head, -1).transpose(1, 2)
+
+
+def merge_heads(y):
+    """(B, n_head, T, D) -> (B, T, n_head * D)."""
+    B, H, T, D = y.shape
+    return y.transpose(1, 2).reshape(B, T, H * D)
+
+
+def cached_causal_mask(T, total, device):
+    """Boolean mask for T new queries appended after total - T cached positions (True = attend)."""
+    q_pos = torch.arange(total - T, total, device=device)[:, None]
+    return torch.arange(total, device=device)[None, :] <= q_pos
+
+
+@register_attention("baseline")
+class CausalSelfAttention(nn.Module):
+    """Standard multi-head causal softmax attention through F.scaled_dot_product_attention."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.n_head, self.head_dim = config.n_head, config.head_dim
+        inner = config.n_head * config.head_dim
+        self.qkv = nn.Linear(config.n_embd, 3 * inner, bias=config.bias)
+        self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
+        self.out.residual_proj = True
+        self.dropout = config.dropout
+
+    def forward(self, x, rope, cache=None):
+        q, k, v = (split_heads(t, self.n_head) for t in self.qkv(x).chunk(3, dim=-1))
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        T = x.size(1)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        dropout = self.dropout if self.training else 0.0
+        if k.size(2) == T:       # no earlier positions: plain causal attention
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        else:
+            mask = cached_causal_mask(T, k.size(2), x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        return self.out(merge_heads(y))
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        return KVCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype)
+
+    def flops_per_token(self, seq_len):
+        # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key); causal not halved
+        return 12 * self.n_head * self.head_dim * seq_len
+
+
+# ----------------------------------------------------------------------------- model
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm_attn = make_norm(config)
+        self.attn = ATTENTIONS[config.attention](config)
+        self.norm_mlp = make_norm(config)
+        self.mlp = MLPS[config.mlp](config)
+
+    def forward(self, x, rope, cache=None):
+        x = x + self.attn(self.norm_attn(x), rope, cache)
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class InferenceCache:
+    """Per-layer attention caches plus the number of positions already processed."""
+
+    def __init__(self, layers):
+        self.layers = layers
+        self.pos = 0
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.wte = nn.Embedding(config.vocab_size, config.n_embd)
+        self.wpe = nn.Embedding(config.block_size, config.n_embd) if config.pos == "learned" else None
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm_f = make_norm(config)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self._rope_len = 0
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        std = self.config.init_std
+        if isinstance(module, nn.Linear):
+            if getattr(module, "residual_proj", False):   # GPT-2 scaled init of residual outputs
+                std = std / math.sqrt(2 * self.config.n_layer)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+
+    def num_params(self):
+        """Unique parameters (a tied embedding counts once)."""
+        return sum(p.numel() for p in self.parameters())
+
+    def _rope(self, start, T, device):
+        """RoPE tables for positions [start, start + T), grown on demand (decoding may pass block_size)."""
+        if self.config.pos != "rope":
+            return None
+        end = start + T
+        if self._rope_len < end or self._rope_cos.device != torch.device(device):
+            self._rope_len = max(end, self.config.block_size)
+            cos, sin = rope_tables(self.config.head_dim, self._rope_len, self.config.rope_theta, device)
+            self.register_buffer("_rope_cos", cos, persistent=False)
+            self.register_buffer("_rope_sin", sin, persistent=False)
+        return self._rope_cos[start:end], self._rope_sin[start:end]
+
+    def forward(self, idx, targets=None, cache=None, last_only=False):
+        """idx (B, T) -> (logits, loss). logits: (B, T, vocab), or (B, 1, vocab) with last_only.
+
+        With `cache` (from `new_cache`), the T tokens continue the cached sequence.
+        """
+        B, T = idx.shape
+        start = cache.pos if cache is not None else 0
+        if self.wpe is not None and start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size} "
+                             "of a model with learned positions")
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+        x = self.drop(x)
+        rope = self._rope(start, T, idx.device)
+        for i, block in enumerate(self.blocks):
+            x = block(x, rope, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.pos += T
+        x = self.norm_f(x)
+        if last_only:
+            x = x[:, -1:]
+        logits = self.lm_head(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1)
+        return logits, loss
+
+    def new_cache(self, batch_size, max_len, device=None, dtype=None):
+        device = device or self.wte.weight.device
+        dtype = dtype or self.wte.weight.dtype
+        return InferenceCache([b.attn.new_cache(batch_size, max_len, device, dtype) for b in self.blocks])
+
+    def flops_per_token(self, seq_len):
+        """Training FLOPs per token: 6N for the weights + each layer's own attention-core FLOPs."""
+        return 6 * self.num_params() + sum(b.attn.flops_per_token(seq_len) for b in self.blocks)
+
+    def param_groups(self, weight_decay):
+        """AdamW groups: decay matrices (ndim >= 2), never norms, gains or biases."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+    # ------------------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
+                        eot_token=None, use_cache=True):
+        """Yield (B,) new tokens one step at a time. temperature 0 is greedy.
+
+        Stops early once every row has produced `eot_token`; rows that finished keep emitting it.
+        """
+        B, T0 = idx.shape
+        if self.wpe is not None and T0 + max_new_tokens > self.config.block_size and use_cache:
+            raise ValueError(f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
+                             f"{self.config.block_size} of a model with learned positions")
+        cache = self.new_cache(B, T0 + max_new_tokens) if use_cache else None
+        done = torch.zeros(B, dtype=torch.bool, device=idx.device)
+        seq, step_input = idx, idx
+        for _ in range(max_new_tokens):
+            if cache is None:
+                step_input = seq[:, -self.config.block_size:]
+            logits, _ = self(step_input, cache=cache, last_only=True)
+            token = sample_token(logits[:, -1].float(), temperature, top_k, top_p)
+            if eot_token is not None:
+                token = torch.where(done, torch.full_like(token, eot_token), token)
+                done |= token == eot_token
+            yield token
+            seq = torch.cat([seq, token[:, None]], dim=1)
+            step_input = token[:, None]
+            if eot_token is not None and done.all():
+                return
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eot_token=None,
+                 use_cache=True):
+        """idx (B, T) -> (B, T + n) with n <= max_new_tokens new tokens appended."""
+        new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eot_token,
+                                        use_cache))
+        return torch.cat([idx] + [t[:, None] for t in new], dim=1)
+
+    # ------------------------------------------------------------------------- checkpoints
+
+    @classmethod
+    def from_checkpoint(cls, path_or_ckpt, device="cpu"):
+        """Load a model written by train.py: a checkpoint file, a run directory (its latest
+        checkpoint) or an already loaded checkpoint dict."""
+        ckpt = path_or_ckpt if isinstance(path_or_ckpt, dict) else load_checkpoint(path_or_ckpt, "cpu")
+        model = cls(GPTConfig.from_dict(ckpt["model_config"]))
+        model.load_state_dict(strip_compile_prefix(ckpt["model"]))
+        return model.to(device)
+
+
+def load_model(path, device="auto", dtype="auto"):
+    """Checkpoint -> (uncompiled eval-mode model, its training config dict, device).
+
+    device auto: CUDA when present; dtype auto: bf16 weights on CUDA, fp32 on CPU.
+    """
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}; choose auto, bf16 or fp32")
+    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    ckpt = load_checkpoint(path, "cpu")
+    model = GPT.from_checkpoint(ckpt).to(device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
+    return model.eval(), ckpt["config"], device
+
+
+def sample_token(logits, temperature=1.0, top_k=None, top_p=None):
+    """(B, V) logits -> (B,) tokens. temperature 0 = argmax; top-k then nucleus (top-p) filtering."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # drop a token when the tokens strictly before it already reach top_p
+        drop = probs.cumsum(dim=-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------- checkpoint files
+
+def checkpoint_files(run_dir):
+    """Checkpoints in a run directory, oldest first (names ckpt_<step>.pt)."""
+    files = glob.glob(os.path.join(run_dir, "ckpt_*.pt"))
+    return sorted(files, key=lambda f: int(os.path.basename(f)[5:-3]))
+
+
+def find_checkpoint(path):
+    """A checkpoint file, or the latest one in a run directory; clear error when there is none."""
+    if os.path.isfile(path):
+        return path
+    if os.path.isdir(path):
+        files = checkpoint_files(path)
+        if files:
+            return files[-1]
+        raise FileNotFoundError(f"no checkpoint (ckpt_<step>.pt) in run directory {path!r}; "
+                                "train first with `python train.py train.out_dir=...`")
+    raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass ckpt=RUN_DIR or ckpt=FILE.pt")
+
+
+def load_checkpoint(path, map_location="cpu"):
+    path = find_checkpoint(path)
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable checkpoint ({e})") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{path} was not written by this repo's train.py (expected format "
+                         f"{CHECKPOINT_FORMAT!r}); convert it or pass a checkpoint from train.py")
+    return ckpt
+
+
+def strip_compile_prefix(state_dict):
+    """torch.compile wraps the model; its state-dict keys carry `_orig_mod.`."""
+    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+
+
+def config_dict(config: GPTConfig):
+    return asdict(config)

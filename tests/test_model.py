@@ -1,0 +1,166 @@
+"""model/gpt.py: shapes, parameter counts, learning, causality, cached generation."""
+import pytest
+import torch
+
+from model.gpt import ATTENTIONS, GPT, GPTConfig, mlp_hidden_size, sample_token
+
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
+GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
+
+
+def tiny(attention="baseline", **kw):
+    base = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32, attention=attention)
+    return GPTConfig(**{**base, **kw})
+
+
+def variant_configs():
+    """Every registered attention with both block styles (GPT-2 style only needs baseline)."""
+    configs = [tiny(a, **LLAMA) for a in ATTENTIONS]
+    configs.append(tiny("baseline", **GPT2))
+    return configs
+
+
+# CASTLE paper Table 4 (castle.md §5.3): (n_layer, n_embd, n_head, head_dim) -> parameters
+PAPER_SIZES = {"S": ((12, 896, 14, 64), 160e6), "M": ((24, 1024, 16, 64), 353e6),
+               "L": ((24, 1536, 16, 96), 756e6), "XL": ((24, 2048, 16, 128), 1.310e9)}
+
+
+@pytest.mark.parametrize("size", PAPER_SIZES)
+def test_paper_parameter_counts(size):
+    (n_layer, n_embd, n_head, head_dim), expected = PAPER_SIZES[size]
+    with torch.device("meta"):
+        model = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=n_head, head_dim=head_dim))
+    assert abs(model.num_params() - expected) / expected < 0.01
+
+
+def test_config_sizes_match_paper_table():
+    """configs/size/*.yaml carry the Table 4 shapes the parameter test checks."""
+    from omegaconf import OmegaConf
+    for size, (shape, _) in PAPER_SIZES.items():
+        c = OmegaConf.load(f"configs/size/{size}.yaml")
+        assert (c.n_layer, c.n_embd, c.n_head, c.head_dim) == shape
+
+
+def test_swiglu_hidden_rounding():
+    assert mlp_hidden_size(GPTConfig(n_embd=1024, n_head=16)) == 2730
+    assert mlp_hidden_size(GPTConfig(n_embd=1024, n_head=16, mlp_multiple_of=256)) == 2816
+    assert mlp_hidden_size(GPTConfig(n_embd=64, n_head=4, mlp="gelu")) == 256
+
+
+@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+def test_forward_shapes_and_loss(config):
+    model = GPT(config)
+    idx, targets = torch.randint(0, config.vocab_size, (2, 3, 11))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 11, config.vocab_size)
+    assert abs(loss.item() - torch.log(torch.tensor(config.vocab_size)).item()) < 0.5   # near uniform at init
+    logits, loss = model(idx)
+    assert loss is None and logits.shape == (3, 11, config.vocab_size)
+
+
+def test_tied_and_untied_embeddings():
+    tied, untied = GPT(tiny(tie_embeddings=True)), GPT(tiny(tie_embeddings=False))
+    assert tied.lm_head.weight is tied.wte.weight
+    assert untied.num_params() - tied.num_params() == 97 * 32
+
+
+def test_scaled_residual_init():
+    model = GPT(tiny(n_layer=8, n_embd=256, n_head=4))
+    std_out = model.blocks[0].attn.out.weight.std().item()
+    std_in = model.blocks[0].attn.qkv.weight.std().item()
+    assert abs(std_in - 0.02) < 0.002 and abs(std_out - 0.02 / 4) < 0.001
+
+
+def test_no_bias_in_llama_style_biases_in_gpt2_style():
+    assert not any(n.endswith("bias") for n, _ in GPT(tiny(**LLAMA)).named_parameters())
+    names = [n for n, _ in GPT(tiny(**GPT2)).named_parameters()]
+    assert any("qkv.bias" in n for n in names) and any("norm_attn.bias" in n for n in names)
+    assert any(n.startswith("wpe") for n in names)
+
+
+@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+def test_overfits_one_batch(config):
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.randint(0, config.vocab_size, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(80):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.2
+
+
+@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+def test_causality(config):
+    model = GPT(config).double()
+    idx = torch.randint(0, config.vocab_size, (2, 20))
+    changed = idx.clone()
+    changed[:, 12:] = torch.randint(0, config.vocab_size, (2, 8))
+    a, _ = model(idx)
+    b, _ = model(changed)
+    torch.testing.assert_close(a[:, :12], b[:, :12], rtol=0, atol=1e-12)
+    assert (a[:, 12:] - b[:, 12:]).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+def test_cached_greedy_generation_equals_uncached(config):
+    model = GPT(config).eval()
+    prompt = torch.randint(0, config.vocab_size, (2, 7))
+    cached = model.generate(prompt, 20, temperature=0)
+    uncached = model.generate(prompt, 20, temperature=0, use_cache=False)
+    assert torch.equal(cached, uncached)
+
+
+@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+def test_cached_logits_equal_parallel_logits(config):
+    """Prefill a prompt, then feed tokens one (and three) at a time: logits match the full forward."""
+    model = GPT(config).double().eval()
+    idx = torch.randint(0, config.vocab_size, (2, 15))
+    full, _ = model(idx)
+    cache = model.new_cache(2, 15)
+    pieces = [model(idx[:, :5], cache=cache)[0]]
+    pieces += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 12)]
+    pieces.append(model(idx[:, 12:], cache=cache)[0])
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-9, atol=1e-9)
+
+
+def test_generation_stops_at_end_of_text():
+    model = GPT(tiny()).eval()
+    prompt = torch.randint(0, 97, (1, 4))
+    first = model.generate(prompt, 1, temperature=0)[0, -1].item()
+    out = model.generate(prompt, 10, temperature=0, eot_token=first)
+    assert out.shape[1] == 5 and out[0, -1].item() == first
+
+
+def test_learned_positions_refuse_overlong_generation():
+    model = GPT(tiny(**GPT2)).eval()
+    with pytest.raises(ValueError, match="block_size"):
+        model.generate(torch.zeros(1, 30, dtype=torch.long), 5)
+
+
+def test_sample_token_filters():
+    logits = torch.tensor([[5.0, 4.0, 1.0, 0.0, -1.0]]).repeat(2000, 1)
+    assert set(sample_token(logits, 1.0, top_k=2).tolist()) == {0, 1}
+    # probabilities ~ .72 .27 .01: top_p 0.5 keeps only the first token, 0.9 the first two
+    assert set(sample_token(logits, 1.0, top_p=0.5).tolist()) == {0}
+    assert set(sample_token(logits, 1.0, top_p=0.9).tolist()) == {0, 1}
+    assert sample_token(logits[:1], 0).item() == 0
+
+
+@pytest.mark.parametrize("bad, match", [(dict(attention="nope"), "attention"), (dict(norm="batch"), "norm"),
+                                        (dict(n_embd=30, n_head=4), "divisible"), (dict(pos="alibi"), "pos")])
+def test_bad_config_values_are_named(bad, match):
+    with pytest.raises(ValueError, match=match):
+        tiny(**bad)
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(ValueError, match="n_heads"):
+        GPTConfig.from_dict({"n_heads": 4})
+
+
+def test_flops_per_token_counts_weights_and_attention():
+    model = GPT(tiny())
+    assert model.flops_per_token(32) == 6 * model.num_params() + 2 * 12 * 4 * 8 * 32
