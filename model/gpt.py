@@ -18,6 +18,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.castle import castle_attn, castle_decode, castle_prefill
+from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+
 CHECKPOINT_FORMAT = "attn-lm-checkpoint-v1"
 
 
@@ -33,16 +36,31 @@ class GPTConfig:
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
     mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d)
-    mlp_hidden: int | None = None    # None: derived from `mlp`, rounded up to `mlp_multiple_of`
-    mlp_multiple_of: int = 1         # 1 keeps 8/3 d unrounded (CASTLE paper); LLaMA uses 256
+    mlp_ratio: float = 4.0           # hidden = ratio * d (gelu) or 2/3 * ratio * d (swiglu: 8/3 d at 4)
+    mlp_hidden: int | None = None    # None: derived from mlp_ratio, rounded up to `mlp_multiple_of`
+    mlp_multiple_of: int = 1         # 1 keeps 8/3 d unrounded (CASTLE paper); LLaMA/FoX use 256
     pos: str = "rope"                # "rope" | "learned" | "none"
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     attention: str = "baseline"
     dropout: float = 0.0
     init_std: float = 0.02
+    scaled_residual_init: bool = True   # GPT-2's std / sqrt(2 n_layer) on residual outputs (FoX: off)
+    # CASTLE / CASTLE-SWL (castle.md)
+    castle_window: int | None = None    # W of CASTLE-SWL (attention=castle_swl)
+    castle_rope: str = "qk"             # rotated: "causal" q^C,k^C (R1) | "qk" + q^U,k^U (R2) | "qkv" + v^U (R3)
+    castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
+    # Forgetting Transformer and the Pro block (fox.md §2)
+    fgate_bias_init: float = 0.0        # forget-gate bias at init (fox.md §2.7)
+    qk_norm: bool = False               # per-head RMSNorm of q and k (Pro)
+    qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs
+    kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
+    output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
+    output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
 
     def __post_init__(self):
+        if self.castle_match_heads:       # applied once: the saved config then holds the real count
+            self.n_head, self.castle_match_heads = max(1, 4 * self.n_head // 7), False
         if self.head_dim is None:
             if self.n_embd % self.n_head:
                 raise ValueError(f"n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
@@ -55,6 +73,10 @@ class GPTConfig:
                                  f"choose one of {sorted(allowed)}")
         if self.pos == "rope" and self.head_dim % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; use pos=learned or none")
+        if self.attention == "castle_swl" and (self.castle_window is None or self.castle_window < 1):
+            raise ValueError("attention=castle_swl needs model.castle_window >= 1 (paper: 128 for S, 512 else)")
+        if self.castle_rope not in ("causal", "qk", "qkv"):
+            raise ValueError(f"model.castle_rope={self.castle_rope!r}; choose causal, qk or qkv")
 
     @classmethod
     def from_dict(cls, d):
@@ -91,7 +113,8 @@ NORMS = ("rmsnorm", "layernorm")
 def mlp_hidden_size(config):
     if config.mlp_hidden is not None:
         return config.mlp_hidden
-    hidden = int(8 * config.n_embd / 3) if config.mlp == "swiglu" else 4 * config.n_embd
+    r = config.mlp_ratio
+    hidden = int(2 * r * config.n_embd / 3) if config.mlp == "swiglu" else int(r * config.n_embd)
     m = config.mlp_multiple_of
     return m * math.ceil(hidden / m)
 
@@ -192,39 +215,182 @@ def cached_causal_mask(T, total, device):
     return torch.arange(total, device=device)[None, :] <= q_pos
 
 
-@register_attention("baseline")
-class CausalSelfAttention(nn.Module):
-    """Standard multi-head causal softmax attention through F.scaled_dot_product_attention."""
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over each head's channels of a (B, H, T, D) tensor; scale shared by heads or per head."""
 
-    def __init__(self, config):
+    def __init__(self, n_head, head_dim, eps, shared):
         super().__init__()
-        self.n_head, self.head_dim = config.n_head, config.head_dim
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim) if shared else torch.ones(n_head, 1, head_dim))
+
+    def forward(self, x):
+        return F.rms_norm(x, (x.size(-1),), None, self.eps) * self.weight
+
+
+def token_shift(x, alpha, prev):
+    """KV-shift (fox.md eq 17/19): alpha_t * x_{t-1} + (1 - alpha_t) * x_t, in alpha's dtype (>= fp32).
+
+    x (B, H, T, D); alpha (B, H, T, 1); prev (B, H, 1, D) is x_0 (zeros at the sequence start).
+    """
+    shifted = torch.cat([prev, x[:, :, :-1]], dim=2)
+    return (alpha * shifted.to(alpha.dtype) + (1 - alpha) * x.to(alpha.dtype)).type_as(x)
+
+
+class SoftmaxCache(KVCache):
+    """KV cache plus what FoX and the Pro block carry between steps: the cumulative log forget
+    gate c of every cached position (float64, kernels.forgetting's precision policy) and the last
+    raw (unshifted) key and value."""
+
+    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype):
+        super().__init__(batch_size, n_head, max_len, head_dim, device, dtype)
+        self.log_fgate_cumsum = torch.zeros(batch_size, n_head, max_len, device=device, dtype=torch.float64)
+        self.last_raw_k = torch.zeros(batch_size, n_head, 1, head_dim, device=device, dtype=dtype)
+        self.last_raw_v = torch.zeros_like(self.last_raw_k)
+
+    def append_gates(self, log_fgate):
+        """Store c for the newest T positions (call after append); return c of all positions."""
+        start = self.length - log_fgate.size(-1)
+        c = self.log_fgate_cumsum
+        c[:, :, start:self.length] = fgate_cumsum(log_fgate, c[:, :, :start])
+        return c[:, :, :self.length]
+
+
+class SoftmaxAttention(nn.Module):
+    """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block.
+
+    Order inside the layer (fox.md §2.4): projections -> KV-shift -> QK-norm -> RoPE ->
+    forget gate -> attention -> per-head output norm * output gate -> output projection.
+    """
+
+    def __init__(self, config, forget_gate):
+        super().__init__()
+        self.n_head, self.head_dim, self.dropout = config.n_head, config.head_dim, config.dropout
         inner = config.n_head * config.head_dim
         self.qkv = nn.Linear(config.n_embd, 3 * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
         self.out.residual_proj = True
-        self.dropout = config.dropout
+        self.fgate = nn.Linear(config.n_embd, config.n_head, bias=True) if forget_gate else None
+        if forget_gate:
+            self.fgate.bias_init = config.fgate_bias_init
+        self.shift = nn.Linear(config.n_embd, 2 * config.n_head, bias=False) if config.kv_shift else None
+        if config.qk_norm:
+            self.q_norm = HeadRMSNorm(config.n_head, config.head_dim, 1e-5, config.qk_norm_shared)
+            self.k_norm = HeadRMSNorm(config.n_head, config.head_dim, 1e-5, config.qk_norm_shared)
+        self.qk_norm = config.qk_norm
+        self.out_norm = (HeadRMSNorm(config.n_head, config.head_dim, config.norm_eps, shared=False)
+                         if config.output_norm else None)
+        self.ogate = nn.Linear(config.n_embd, inner, bias=False) if config.output_gate else None
 
     def forward(self, x, rope, cache=None):
         q, k, v = (split_heads(t, self.n_head) for t in self.qkv(x).chunk(3, dim=-1))
+        if self.shift is not None:
+            k, v = self.kv_shift(x, k, v, cache)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        T = x.size(1)
+        log_fgate = None
+        if self.fgate is not None:   # (B, H, T) in fp32, <= 0
+            log_fgate = F.logsigmoid(self.fgate(x).float()).transpose(1, 2)
+        y = self.attend(q, k, v, log_fgate, cache)
+        if self.out_norm is not None:
+            y = self.out_norm(y)
+        y = merge_heads(y)
+        if self.ogate is not None:
+            y = y * torch.sigmoid(self.ogate(x))
+        return self.out(y)
+
+    def kv_shift(self, x, k, v, cache):
+        logits = self.shift(x)
+        alpha = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
+        alpha_k, alpha_v = alpha.transpose(1, 2).unsqueeze(-1).chunk(2, dim=1)
+        prev_k = cache.last_raw_k if cache is not None else torch.zeros_like(k[:, :, :1])
+        prev_v = cache.last_raw_v if cache is not None else torch.zeros_like(v[:, :, :1])
+        if cache is not None:
+            cache.last_raw_k, cache.last_raw_v = k[:, :, -1:], v[:, :, -1:]
+        return token_shift(k, alpha_k, prev_k), token_shift(v, alpha_v, prev_v)
+
+    def attend(self, q, k, v, log_fgate, cache):
+        T = q.size(2)
         if cache is not None:
             k, v = cache.append(k, v)
+        fresh = k.size(2) == T               # no earlier positions: the parallel training kernels apply
+        if log_fgate is not None:
+            if cache is not None:
+                c = cache.append_gates(log_fgate)
+                if not fresh:
+                    return forgetting_decode(q, k, v, c)
+            return forgetting_attn(q, k, v, log_fgate)
         dropout = self.dropout if self.training else 0.0
-        if k.size(2) == T:       # no earlier positions: plain causal attention
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        else:
-            mask = cached_causal_mask(T, k.size(2), x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        return self.out(merge_heads(y))
+        if fresh:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        mask = cached_causal_mask(T, k.size(2), q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
 
     def new_cache(self, batch_size, max_len, device, dtype):
-        return KVCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype)
+        return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype)
 
     def flops_per_token(self, seq_len):
         # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key); causal not halved
         return 12 * self.n_head * self.head_dim * seq_len
+
+
+register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))
+register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
+
+
+class CastleCache:
+    """Holds the UQ-KV cache of kernels.castle (None until the prompt is prefilled)."""
+
+    def __init__(self):
+        self.state = None
+
+
+class CastleAttention(nn.Module):
+    """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (castle.md). Six projections per
+    head and W_O: 7 n_head d d_model parameters."""
+
+    def __init__(self, config, window):
+        super().__init__()
+        self.n_head, self.head_dim, self.window = config.n_head, config.head_dim, window
+        inner = config.n_head * config.head_dim
+        self.proj = nn.Linear(config.n_embd, 6 * inner, bias=config.bias)
+        self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
+        self.out.residual_proj = True
+        self.rope_mode = config.castle_rope
+
+    def forward(self, x, rope, cache=None):
+        qc, kc, vc, qu, ku, vu = (split_heads(t, self.n_head) for t in self.proj(x).chunk(6, dim=-1))
+        qc, kc = apply_rope(qc, rope), apply_rope(kc, rope)
+        if self.rope_mode in ("qk", "qkv"):
+            qu, ku = apply_rope(qu, rope), apply_rope(ku, rope)
+        if self.rope_mode == "qkv":
+            vu = apply_rope(vu, rope)
+        if cache is None:
+            y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window)
+        elif cache.state is None:
+            y, cache.state = castle_prefill(qc, kc, vc, qu, ku, vu, window=self.window)
+        else:                                # one position at a time through the UQ-KV cache
+            steps = []
+            for t in range(x.size(1)):
+                one = [z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)]
+                y_t, cache.state = castle_decode(cache.state, *one)
+                steps.append(y_t)
+            y = torch.cat(steps, dim=2)
+        return self.out(merge_heads(y))
+
+    def new_cache(self, batch_size, max_len, device, dtype):
+        return CastleCache()
+
+    def flops_per_token(self, seq_len):
+        # castle.md §3.7: ~4x FlashAttention per block pair; SWL tiles outside the window ~1.5x
+        if self.window is None:
+            return 4 * 12 * self.n_head * self.head_dim * seq_len
+        inside = min(self.window, seq_len)
+        return 12 * self.n_head * self.head_dim * (4 * inside + 1.5 * (seq_len - inside))
+
+
+register_attention("castle")(lambda config: CastleAttention(config, window=None))
+register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
 
 
 # ----------------------------------------------------------------------------- model
@@ -270,11 +436,11 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         std = self.config.init_std
         if isinstance(module, nn.Linear):
-            if getattr(module, "residual_proj", False):   # GPT-2 scaled init of residual outputs
+            if getattr(module, "residual_proj", False) and self.config.scaled_residual_init:
                 std = std / math.sqrt(2 * self.config.n_layer)
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                nn.init.zeros_(module.bias)
+                nn.init.constant_(module.bias, getattr(module, "bias_init", 0.0))
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 

@@ -13,11 +13,26 @@ def tiny(attention="baseline", **kw):
     return GPTConfig(**{**base, **kw})
 
 
+PRO = dict(qk_norm=True, kv_shift=True, output_gate=True, output_norm=True, mlp_ratio=3.5)
+VARIANTS = {
+    "baseline": dict(attention="baseline", **LLAMA),
+    "gpt2_style": dict(attention="baseline", **GPT2),
+    "castle": dict(attention="castle", **LLAMA),
+    "castle_swl": dict(attention="castle_swl", castle_window=3, **LLAMA),
+    "castle_rope_qkv": dict(attention="castle", castle_rope="qkv", **LLAMA),
+    "fox_llama": dict(attention="fox", **{**LLAMA, "pos": "none"}),
+    "transformer_pro": dict(attention="baseline", **LLAMA, **PRO),
+    "fox_pro": dict(attention="fox", **{**LLAMA, "pos": "none"}, **PRO),
+    "fox_pro_per_head_qk_norm": dict(attention="fox", qk_norm_shared=False, **{**LLAMA, "pos": "none"}, **PRO),
+}
+
+
 def variant_configs():
-    """Every registered attention with both block styles (GPT-2 style only needs baseline)."""
-    configs = [tiny(a, **LLAMA) for a in ATTENTIONS]
-    configs.append(tiny("baseline", **GPT2))
-    return configs
+    return [pytest.param(tiny(**kw), id=name) for name, kw in VARIANTS.items()]
+
+
+def test_every_attention_is_tested():
+    assert set(ATTENTIONS) <= {kw["attention"] for kw in VARIANTS.values()}
 
 
 # CASTLE paper Table 4 (castle.md §5.3): (n_layer, n_embd, n_head, head_dim) -> parameters
@@ -47,7 +62,7 @@ def test_swiglu_hidden_rounding():
     assert mlp_hidden_size(GPTConfig(n_embd=64, n_head=4, mlp="gelu")) == 256
 
 
-@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+@pytest.mark.parametrize("config", variant_configs())
 def test_forward_shapes_and_loss(config):
     model = GPT(config)
     idx, targets = torch.randint(0, config.vocab_size, (2, 3, 11))
@@ -78,7 +93,7 @@ def test_no_bias_in_llama_style_biases_in_gpt2_style():
     assert any(n.startswith("wpe") for n in names)
 
 
-@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+@pytest.mark.parametrize("config", variant_configs())
 def test_overfits_one_batch(config):
     torch.manual_seed(0)
     model = GPT(config)
@@ -92,7 +107,7 @@ def test_overfits_one_batch(config):
     assert loss.item() < 0.2
 
 
-@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+@pytest.mark.parametrize("config", variant_configs())
 def test_causality(config):
     model = GPT(config).double()
     idx = torch.randint(0, config.vocab_size, (2, 20))
@@ -104,7 +119,7 @@ def test_causality(config):
     assert (a[:, 12:] - b[:, 12:]).abs().max() > 1e-6
 
 
-@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+@pytest.mark.parametrize("config", variant_configs())
 def test_cached_greedy_generation_equals_uncached(config):
     model = GPT(config).eval()
     prompt = torch.randint(0, config.vocab_size, (2, 7))
@@ -113,7 +128,7 @@ def test_cached_greedy_generation_equals_uncached(config):
     assert torch.equal(cached, uncached)
 
 
-@pytest.mark.parametrize("config", variant_configs(), ids=lambda c: f"{c.attention}-{c.norm}")
+@pytest.mark.parametrize("config", variant_configs())
 def test_cached_logits_equal_parallel_logits(config):
     """Prefill a prompt, then feed tokens one (and three) at a time: logits match the full forward."""
     model = GPT(config).double().eval()

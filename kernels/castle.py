@@ -1,0 +1,661 @@
+"""CASTLE and CASTLE-SWL attention: causal attention with lookahead keys (Song et al., 2025).
+
+The math is in ../shared/spec/castle.md; section numbers below refer to it. Per head, with
+s = scale = d ** -0.5 (eqs 11/12, spec §1.5):
+
+    A_U   = sigmoid(s * Qu Ku^T)  masked to owner j < contributor i (SWL: i <= j + W)
+    S^U   = (s * Qc Vu^T, causal) @ A_U^T                                   (strictly lower triangular)
+    out   = softmax(s * Qc Kc^T - SiLU(S^U), causal) @ Vc
+
+Public API (tensors are (B, H, L, D); fp32/bf16 in, same dtype out, fp32 math inside):
+
+    castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
+    castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None) -> (out, CastleCache)
+    castle_decode(cache, qc, kc, vc, qu, ku, vu) -> (out, CastleCache)      one new position
+
+impl:
+    "torch"     the parallel form above, L x L matrices and an L x L x L product (O(L^3)); the
+                reference, differentiable by autograd in any dtype (fp64 in the tests).
+    "blockwise" the O(L^2 d) block algorithm of spec §3 in plain PyTorch: the paper's anti-diagonal
+                sweep, vectorised over each anti-diagonal, with a hand-written backward; nothing
+                larger than an L x block strip is ever held. For CPU at moderate lengths.
+    "triton"    the same block algorithm as GPU kernels (below); runs on CPU under TRITON_INTERPRET=1.
+    "auto"      "triton" on CUDA, "torch" on CPU (and for fp64).
+
+How the Triton kernels schedule the block algorithm (equivalent to the paper's anti-diagonal sweep):
+  * Forward, one program per (query row block a, batch*head). It walks its key blocks b = a, a-1, ..., 0
+    keeping the online-softmax state in registers, like FlashAttention. What a tile (a, b) needs besides
+    the inputs is U_b, the lookahead keys of block b as they stand at the start of block a (the spec's
+    D^{(a-b)}_{:,b}, transposed). That lives in one fp32 (L x d) buffer: program a reads U_b written by
+    program a-1, adds the contributors of its own block a and writes U_b back for program a+1. So the
+    sigma tile of (b, a) is computed once and used twice (spec §3.7), and R_a once per row. Program a
+    waits on program a-1 through a per-(head, row) progress counter (release/acquire atomics); programs
+    draw tickets from an atomic counter, so a program only ever waits on one that already started (no
+    deadlock whatever order the GPU starts them in). A wave of rows runs one tile apart, one launch.
+  * Backward, one program per (key column block b, batch*head), no waiting at all: it starts from the
+    saved U_b (its value at the start of the last row block), walks rows a = N-1 ... b, and rebuilds the
+    earlier values by subtraction (spec eq 33), carrying U_b, dU_b and the column gradients
+    dKc, dVc, dQu in registers. Row gradients dQc, dKu, dVu are fp32 atomic adds (so the backward is not
+    bitwise deterministic, like FlashAttention's dQ). The two gradient paths into the sigma tile of
+    (b, a) (through the local term and through the update of U_b) are summed before one use.
+  * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
+    the U update; only Qc U_b^T and the causal part remain there.
+  * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs still get the torch paths
+    triton = None
+
+__all__ = ["castle_attn", "castle_prefill", "castle_decode", "CastleCache"]
+
+_IMPLS = ("auto", "torch", "blockwise", "triton")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _check(qc, kc, vc, qu, ku, vu, window):
+    shape = qc.shape
+    assert qc.dim() == 4, "expected (B, H, L, D) tensors"
+    for t in (kc, vc, qu, ku, vu):
+        assert t.shape == shape and t.dtype == qc.dtype and t.device == qc.device, "inputs must match"
+    assert window is None or (isinstance(window, int) and window >= 0), "window must be None or an int >= 0"
+
+
+def _compute_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _window_or_len(window, L):
+    """SWL with W >= L - 1 is CASTLE (spec §1.6), so CASTLE is run as W = L."""
+    return L if window is None else min(window, L)
+
+
+# ----------------------------------------------------------------------------------------------------
+# impl="torch": the parallel form (Theorem 1, eqs 10-12)
+
+
+def _attn_parallel(qc, kc, vc, qu, ku, vu, window, scale):
+    dtype, L = qc.dtype, qc.shape[-2]
+    qc, kc, vc, qu, ku, vu = (t.to(_compute_dtype(dtype)) for t in (qc, kc, vc, qu, ku, vu))
+    idx = torch.arange(L, device=qc.device)
+    causal = idx[:, None] >= idx[None, :]                                # (query t, key j)
+    ahead = idx[:, None] < idx[None, :]                                  # (owner j, contributor i)
+    if window is not None:
+        ahead = ahead & (idx[None, :] <= idx[:, None] + window)
+    a_u = torch.sigmoid(scale * qu @ ku.mT).masked_fill(~ahead, 0.0)
+    r = (scale * qc @ vu.mT).masked_fill(~causal, 0.0)
+    s_u = r @ a_u.mT                                                     # eq (11)
+    scores = (scale * qc @ kc.mT - F.silu(s_u)).masked_fill(~causal, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ vc).to(dtype)               # eq (12)
+
+
+# ----------------------------------------------------------------------------------------------------
+# impl="blockwise": spec §3 in PyTorch, vectorised over each anti-diagonal k (tiles (j + k, j), all j)
+
+
+def _to_blocks(x, bs):
+    n = -(-x.shape[-2] // bs)
+    return F.pad(x, (0, 0, 0, n * bs - x.shape[-2])).unflatten(-2, (n, bs))
+
+
+def _sigma_mask(k, bs, window, device):
+    """Lookahead mask of the sigma tiles on anti-diagonal k: owner j = row r, contributor i = k*bs + col c."""
+    off = k * bs + torch.arange(bs, device=device)[None, :] - torch.arange(bs, device=device)[:, None]
+    keep = off > 0
+    return keep & (off <= window) if window is not None else keep
+
+
+def _last_sigma_diagonal(n, bs, window):
+    """Anti-diagonals k > this have all-zero sigma tiles (spec §3.6): k*bs > bs - 1 + W."""
+    return n - 1 if window is None else (bs - 1 + window) // bs
+
+
+def _blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
+    """Blocked inputs (B, H, N, bs, D) in compute dtype -> out, lse (B, H, N, bs), u.
+
+    u[:, :, b] holds the lookahead keys of block b at the start of the row block being processed
+    (spec's D^{(k)}, transposed). On return it holds them at the start of the last row block, or, with
+    keep_last, after every contributor (= U^L, what prefill caches)."""
+    n = qc.shape[2]
+    tril = torch.ones(bs, bs, dtype=torch.bool, device=qc.device).tril()
+    r = (scale * qc @ vu.mT).masked_fill(~tril, 0.0)                     # R_a of every row block
+    u = torch.zeros_like(qu)
+    m = torch.full(qc.shape[:-1], float("-inf"), dtype=qc.dtype, device=qc.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros_like(vc)
+    for k in range(n):
+        a, b = slice(k, n), slice(0, n - k)
+        s = scale * qc[:, :, a] @ u[:, :, b].mT                          # eq (24), first term
+        if k <= _last_sigma_diagonal(n, bs, window):
+            sig = torch.sigmoid(scale * qu[:, :, b] @ ku[:, :, a].mT) * _sigma_mask(k, bs, window, qc.device)
+            s = s + r[:, :, a] @ sig.mT                                  # eq (22) / (24), local term
+            upd = sig @ vu[:, :, a]                                      # eq (23)
+            if not keep_last:
+                upd[:, :, -1] = 0.0                                      # the tile in the last row block
+            u[:, :, b] += upd
+        sc = scale * qc[:, :, a] @ kc[:, :, b].mT - F.silu(s)            # eq (19)
+        if k == 0:
+            sc = sc.masked_fill(~tril, float("-inf"))
+        m_new = torch.maximum(m[:, :, a], sc.amax(-1))                   # online softmax (Algorithm 2)
+        alpha = torch.exp(m[:, :, a] - m_new)
+        p = torch.exp(sc - m_new[..., None])
+        l[:, :, a] = l[:, :, a] * alpha + p.sum(-1)
+        acc[:, :, a] = acc[:, :, a] * alpha[..., None] + p @ vc[:, :, b]
+        m[:, :, a] = m_new
+    return acc / l[..., None], m + torch.log(l), u
+
+
+def _blockwise_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, bs):
+    """Spec §3.5 in reverse anti-diagonal order; u (state at the start of the last row block) is consumed."""
+    n = qc.shape[2]
+    tril = torch.ones(bs, bs, dtype=torch.bool, device=qc.device).tril()
+    r = (scale * qc @ vu.mT).masked_fill(~tril, 0.0)
+    delta = (do * out).sum(-1)
+    du = torch.zeros_like(u)
+    dqc, dkc, dvc, dqu, dku, dvu = (torch.zeros_like(t) for t in (qc, kc, vc, qu, ku, vu))
+    for k in range(n - 1, -1, -1):
+        a, b = slice(k, n), slice(0, n - k)
+        in_window = k <= _last_sigma_diagonal(n, bs, window)
+        if in_window:
+            sig = torch.sigmoid(scale * qu[:, :, b] @ ku[:, :, a].mT) * _sigma_mask(k, bs, window, qc.device)
+            # Undo the update that row block a made to u_b (none for the last row block), eq (33),
+            # and route du (from rows after a) into that update: eq (32).
+            prev, rows = slice(0, n - k - 1), slice(k, n - 1)
+            u[:, :, prev] -= sig[:, :, :-1] @ vu[:, :, rows]
+            dsig = torch.zeros_like(sig)
+            dsig[:, :, :-1] = du[:, :, prev] @ vu[:, :, rows].mT
+            dvu[:, :, rows] += sig[:, :, :-1].mT @ du[:, :, prev]
+        s = scale * qc[:, :, a] @ u[:, :, b].mT if k > 0 else 0.0
+        if in_window:
+            s = s + r[:, :, a] @ sig.mT
+        sc = scale * qc[:, :, a] @ kc[:, :, b].mT - F.silu(s)
+        if k == 0:
+            sc = sc.masked_fill(~tril, float("-inf"))
+        p = torch.exp(sc - lse[:, :, a, :, None])                        # eq (25)
+        da = p * (do[:, :, a] @ vc[:, :, b].mT - delta[:, :, a, :, None])  # eqs (26), (28)
+        sg = torch.sigmoid(s)                                            # (k = 0 is always in the window)
+        ds = -da * sg * (1 + s * (1 - sg))                                # eq (29)
+        dvc[:, :, b] += p.mT @ do[:, :, a]                                # eq (27)
+        dkc[:, :, b] += scale * da.mT @ qc[:, :, a]                       # eq (30)
+        dqc[:, :, a] += scale * da @ kc[:, :, b]
+        if k > 0:
+            dqc[:, :, a] += scale * ds @ u[:, :, b]
+            du[:, :, b] += scale * ds.mT @ qc[:, :, a]
+        if in_window:
+            e = (ds @ sig).masked_fill(~tril, 0.0)                        # eq (31)
+            dqc[:, :, a] += scale * e @ vu[:, :, a]
+            dvu[:, :, a] += scale * e.mT @ qc[:, :, a]
+            dz = (dsig + ds.mT @ r[:, :, a]) * sig * (1 - sig)            # both paths into sigma_{b,a}
+            dqu[:, :, b] += scale * dz @ ku[:, :, a]
+            dku[:, :, a] += scale * dz.mT @ qu[:, :, b]
+    return dqc, dkc, dvc, dqu, dku, dvu
+
+
+class _CastleBlockwise(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qc, kc, vc, qu, ku, vu, window, scale, bs):
+        blocks = [_to_blocks(t.to(_compute_dtype(qc.dtype)), bs) for t in (qc, kc, vc, qu, ku, vu)]
+        out, lse, u = _blockwise_forward(*blocks, window, scale, bs, keep_last=False)
+        ctx.save_for_backward(*blocks, out, lse, u)
+        ctx.window, ctx.scale, ctx.bs, ctx.L, ctx.dtype = window, scale, bs, qc.shape[-2], qc.dtype
+        return out.flatten(2, 3)[:, :, : ctx.L].to(qc.dtype)
+
+    @staticmethod
+    def backward(ctx, do):
+        *blocks, out, lse, u = ctx.saved_tensors
+        do = _to_blocks(do.to(out.dtype), ctx.bs)
+        grads = _blockwise_backward(do, *blocks, out, lse, u.clone(), ctx.window, ctx.scale, ctx.bs)
+        return (*(g.flatten(2, 3)[:, :, : ctx.L].to(ctx.dtype) for g in grads), None, None, None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# impl="triton": kernels (see the module docstring for the schedule)
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """Tile sizes and launch knobs. block_bwd must divide block_fwd (both powers of two)."""
+    block_fwd: int = 64
+    warps_fwd: int = 4
+    stages_fwd: int = 1
+    block_bwd: int = 64
+    warps_bwd: int = 8
+    stages_bwd: int = 1
+
+
+def _default_config(block_d, dtype, L):
+    if _interpreting():  # the interpreter: the smallest legal tiles
+        return TritonConfig(16, 4, 1, 16, 4, 1)
+    if dtype == torch.float32:  # fp32 operands take twice the registers
+        return TritonConfig(32, 4, 1, 32, 4, 1)
+    if block_d <= 64:
+        return TritonConfig(64, 4, 1, 64, 8, 1)
+    return TritonConfig(64, 8, 1, 32, 4, 1)
+
+
+if triton is not None:
+    _LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in base 2; LSE is stored in log2 units
+
+    @triton.jit
+    def _lookahead_sigma(qu_b, ku_a, rows_b, rows_a, scale, W, PREC: tl.constexpr):
+        """sigma_{b,a}: weight of contributor i (block a) in the lookahead key of owner j (block b),
+        eq (3) with mask (4) / (9): j < i <= j + W."""
+        z = tl.dot(qu_b, tl.trans(ku_a), input_precision=PREC) * scale
+        keep = (rows_a[None, :] > rows_b[:, None]) & (rows_a[None, :] <= rows_b[:, None] + W)
+        return tl.where(keep, tl.sigmoid(z), 0.0)
+
+    @triton.jit
+    def _last_writer_row(b, W, N, BLOCK: tl.constexpr):
+        """Last row block whose contributors reach owner block b (spec §3.6): i <= (b+1)*BLOCK - 1 + W."""
+        return tl.minimum(((b + 1) * BLOCK - 1 + W) // BLOCK, N - 1)
+
+    @triton.jit
+    def _castle_fwd_kernel(
+        QC, KC, VC, QU, KU, VU, O, LSE, U, SYNC,
+        stride_b, stride_h, stride_l, H, L, N, W, save_t, scale,
+        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr,
+    ):
+        # SYNC[bh * N + a] counts the U blocks row program a of head bh has written (in order a, a-1, ...);
+        # SYNC[-1] hands out tickets: ticket -> (head, row), rows of a head in increasing order.
+        n_rows = tl.num_programs(0)
+        ticket = tl.atomic_add(SYNC + n_rows, 1)
+        bh = ticket // N
+        a = ticket % N
+        off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+        u_base = U + bh.to(tl.int64) * (N * BLOCK * BLOCK_D)
+        flags = SYNC + bh * N
+
+        offs_r = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d[None, :] < HEAD_DIM
+        rows_a = a * BLOCK + offs_r
+        mask_a = (rows_a[:, None] < L) & dmask
+        ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
+        qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
+        ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        # Contributors this row hands on in U; the last row only hands on those before save_t
+        # (the backward's last row start, or L for prefill).
+        vu_fold = tl.where(rows_a[:, None] < save_t, vu_a, 0.0).to(DT)
+        do_write = (a < N - 1) | (save_t > a * BLOCK)
+        # R_a = s * q^C_t . v^U_i for contributors i <= t inside the row block: once per row (spec §3.7).
+        r = tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale
+        r = tl.where(offs_r[:, None] >= offs_r[None, :], r, 0.0).to(DT)
+
+        # Diagonal tile first, so every row's running max is finite from the start (spec §3.4, point 5).
+        qu_a = tl.load(QU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        kc_a = tl.load(KC + ptr_a, mask=mask_a, other=0.0).to(DT)
+        vc_a = tl.load(VC + ptr_a, mask=mask_a, other=0.0).to(DT)
+        sig = _lookahead_sigma(qu_a, ku_a, rows_a, rows_a, scale, W, PREC).to(DT)
+        s = tl.dot(r, tl.trans(sig), input_precision=PREC)                     # eq (22)
+        sc = tl.dot(qc_a, tl.trans(kc_a), input_precision=PREC) * scale - s * tl.sigmoid(s)
+        sc = tl.where(rows_a[:, None] >= rows_a[None, :], sc * _LOG2E, float("-inf"))
+        m = tl.max(sc, 1)
+        p = tl.exp2(sc - m[:, None])
+        l = tl.sum(p, 1)
+        acc = tl.dot(p.to(DT), vc_a, input_precision=PREC)
+        if do_write:
+            u_new = tl.dot(sig, vu_fold, input_precision=PREC)                 # eq (23), block a's own keys
+            tl.store(u_base + rows_a[:, None] * BLOCK_D + offs_d[None, :], u_new)
+            tl.debug_barrier()
+            tl.atomic_xchg(flags + a, 1, sem="release", scope="gpu")
+
+        step = 1
+        while step <= a:
+            b = a - step
+            rows_b = b * BLOCK + offs_r
+            ptr_b = off + rows_b[:, None] * stride_l + offs_d[None, :]
+            qu_b = tl.load(QU + ptr_b, mask=dmask, other=0.0).to(DT)
+            kc_b = tl.load(KC + ptr_b, mask=dmask, other=0.0).to(DT)
+            vc_b = tl.load(VC + ptr_b, mask=dmask, other=0.0).to(DT)
+            # U_b as of the start of row a: written by row a-1, or frozen earlier by the window.
+            last_row = _last_writer_row(b, W, N, BLOCK)
+            writer = tl.minimum(a - 1, last_row)
+            while tl.atomic_add(flags + writer, 0, sem="acquire", scope="gpu") < writer - b + 1:
+                pass
+            u_ptr = u_base + rows_b[:, None] * BLOCK_D + offs_d[None, :]
+            u_b = tl.load(u_ptr, cache_modifier=".cg")
+            s_b = tl.dot(qc_a, tl.trans(u_b.to(DT)), input_precision=PREC) * scale  # eq (24), first term
+            if a <= last_row:
+                sig_b = _lookahead_sigma(qu_b, ku_a, rows_b, rows_a, scale, W, PREC).to(DT)
+                s_b += tl.dot(r, tl.trans(sig_b), input_precision=PREC)         # eq (24), local term
+                if do_write:
+                    tl.store(u_ptr, u_b + tl.dot(sig_b, vu_fold, input_precision=PREC))  # eq (23)
+                    tl.debug_barrier()
+                    tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
+            sc_b = tl.dot(qc_a, tl.trans(kc_b), input_precision=PREC) * scale - s_b * tl.sigmoid(s_b)
+            sc_b = sc_b * _LOG2E
+            m_new = tl.maximum(m, tl.max(sc_b, 1))
+            alpha = tl.exp2(m - m_new)
+            p_b = tl.exp2(sc_b - m_new[:, None])
+            l = l * alpha + tl.sum(p_b, 1)
+            acc = acc * alpha[:, None] + tl.dot(p_b.to(DT), vc_b, input_precision=PREC)
+            m = m_new
+            step += 1
+
+        o_ptr = O + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=mask_a)
+        tl.store(LSE + bh.to(tl.int64) * (N * BLOCK) + rows_a, m + tl.log2(l))  # log2 units
+
+    @triton.jit
+    def _castle_bwd_tile(
+        QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU,
+        a, b, off, g_off, lse_off, stride_l, L, N, W, scale, last_row,
+        qu_b, kc_b, vc_b, rows_b, u, du, dkc, dvc, dqu,
+        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """Tile (query row block a, key column block b) of the backward; u = U_b at the start of row a+1
+        on entry and at the start of row a on return."""
+        offs_r = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        tril = offs_r[:, None] >= offs_r[None, :]
+        rows_a = a * BLOCK + offs_r
+        mask_a = (rows_a[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
+        ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
+        g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+        qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
+        ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
+        lse_a = tl.load(LSE + lse_off + rows_a)
+        delta_a = tl.load(DELTA + lse_off + rows_a)
+        in_window = a <= last_row
+
+        s = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+        dsig = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
+        dvu_a = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        sig = tl.zeros([BLOCK, BLOCK], dtype=DT)
+        r = tl.zeros([BLOCK, BLOCK], dtype=DT)
+        if in_window:
+            sig = _lookahead_sigma(qu_b, ku_a, rows_b, rows_a, scale, W, PREC).to(DT)
+            if a < N - 1:
+                # Undo row a's update of U_b (eq 33) and route dU from later rows into it (eq 32).
+                u -= tl.dot(sig, vu_a, input_precision=PREC)
+                du_t = du.to(DT)
+                dsig = tl.dot(du_t, tl.trans(vu_a), input_precision=PREC)
+                dvu_a = tl.dot(tl.trans(sig), du_t, input_precision=PREC)
+            r = tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale
+            r = tl.where(tril, r, 0.0).to(DT)
+            s = tl.dot(r, tl.trans(sig), input_precision=PREC)                      # eq (24) local term
+        u_t = u.to(DT)
+        if a > b:
+            s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale           # eq (24) first term
+
+        sg = tl.sigmoid(s)
+        sc = tl.dot(qc_a, tl.trans(kc_b), input_precision=PREC) * scale - s * sg
+        sc = tl.where(rows_a[:, None] >= rows_b[None, :], sc * _LOG2E, float("-inf"))
+        p = tl.exp2(sc - lse_a[:, None])                                            # eq (25)
+        dp = tl.dot(do_a, tl.trans(vc_b), input_precision=PREC)                     # eq (26)
+        da = p * (dp - delta_a[:, None])                                            # eq (28)
+        ds = -da * sg * (1.0 + s * (1.0 - sg))                                      # eq (29)
+        da_t = da.to(DT)
+        ds_t = ds.to(DT)
+        dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)               # eq (27)
+        dkc += tl.dot(tl.trans(da_t), qc_a, input_precision=PREC)                   # eq (30)
+        dqc_a = tl.dot(da_t, kc_b, input_precision=PREC)
+        if a > b:
+            dqc_a += tl.dot(ds_t, u_t, input_precision=PREC)
+            du += tl.dot(tl.trans(ds_t), qc_a, input_precision=PREC) * scale
+        if in_window:
+            e = tl.dot(ds_t, sig, input_precision=PREC)                              # eq (31)
+            e = tl.where(tril, e, 0.0).to(DT)
+            dqc_a += tl.dot(e, vu_a, input_precision=PREC)
+            dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+            # Both gradient paths into sigma_{b,a}: the local term and the update of U_b.
+            sig32 = sig.to(tl.float32)
+            dz = (dsig + tl.dot(tl.trans(ds_t), r, input_precision=PREC)) * sig32 * (1.0 - sig32)
+            dz_t = dz.to(DT)
+            dqu += tl.dot(dz_t, ku_a, input_precision=PREC)
+            dku_a = tl.dot(tl.trans(dz_t), qu_b, input_precision=PREC) * scale
+            tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+            tl.atomic_add(DKU + g_ptr, dku_a, mask=mask_a, sem="relaxed")
+        tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
+        return u, du, dkc, dvc, dqu
+
+    @triton.jit
+    def _castle_bwd_kernel(
+        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U,
+        DQC, DKC, DVC, DQU, DKU, DVU,
+        stride_b, stride_h, stride_l, H, L, N, W, scale, lse_rows, u_rows,
+        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+    ):
+        # One program per (head, key column block b); within a head the longest column (b = 0) first.
+        pid = tl.program_id(0)
+        bh = pid // N
+        b = pid % N
+        off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+        g_off = bh.to(tl.int64) * L * HEAD_DIM                    # gradients and DO: contiguous (B, H, L, D)
+        lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
+
+        offs_r = tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows_b = b * BLOCK + offs_r
+        mask_b = (rows_b[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
+        ptr_b = off + rows_b[:, None] * stride_l + offs_d[None, :]
+        qu_b = tl.load(QU + ptr_b, mask=mask_b, other=0.0).to(DT)
+        kc_b = tl.load(KC + ptr_b, mask=mask_b, other=0.0).to(DT)
+        vc_b = tl.load(VC + ptr_b, mask=mask_b, other=0.0).to(DT)
+        # Lookahead keys of block b at the start of the last row block (saved by the forward).
+        u = tl.load(U + bh.to(tl.int64) * u_rows * BLOCK_D + rows_b[:, None] * BLOCK_D + offs_d[None, :])
+        du = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
+        last_row = _last_writer_row(b, W, N, BLOCK)
+
+        if INTERPRET:  # the interpreter cannot take program-dependent range() bounds (numpy >= 2)
+            a = N - 1
+            while a >= b:
+                u, du, dkc, dvc, dqu = _castle_bwd_tile(
+                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, a, b, off, g_off, lse_off, stride_l,
+                    L, N, W, scale, last_row, qu_b, kc_b, vc_b, rows_b, u, du, dkc, dvc, dqu,
+                    HEAD_DIM, BLOCK, BLOCK_D, DT, PREC)
+                a -= 1
+        else:
+            for i in range(0, N - b):
+                u, du, dkc, dvc, dqu = _castle_bwd_tile(
+                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, N - 1 - i, b, off, g_off, lse_off, stride_l,
+                    L, N, W, scale, last_row, qu_b, kc_b, vc_b, rows_b, u, du, dkc, dvc, dqu,
+                    HEAD_DIM, BLOCK, BLOCK_D, DT, PREC)
+
+        g_ptr = g_off + rows_b[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(DKC + g_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_b)
+        tl.store(DVC + g_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_b)
+        tl.store(DQU + g_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_b)
+
+
+def _interpreting():
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_dtype(dtype):
+    """Matmul operand dtype. The interpreter multiplies bf16 as raw integers (triton 3.6), so there the
+    tiles are upcast to fp32: CPU runs check the algorithm, GPU runs the bf16 rounding."""
+    if _interpreting():
+        return tl.float32
+    return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
+
+
+def _prepare(xs):
+    """The kernels take one set of (batch, head, position) strides and unit-stride head dims."""
+    if any(t.stride() != xs[0].stride() for t in xs) or xs[0].stride(-1) != 1:
+        xs = [t.contiguous() for t in xs]
+    return xs
+
+
+def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
+    """-> out (B, H, L, D), lse (BH, Np*bs) log2 units, u (BH, Np*bs, block_d) fp32."""
+    qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
+    B, H, L, D = qc.shape
+    bs, block_d = cfg.block_fwd, max(16, triton.next_power_of_2(D))
+    n = triton.cdiv(L, bs)
+    out = torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device)
+    lse = torch.empty(B * H, n * bs, dtype=torch.float32, device=qc.device)
+    u = torch.empty(B * H, n * bs, block_d, dtype=torch.float32, device=qc.device)
+    sync = torch.zeros(B * H * n + 1, dtype=torch.int32, device=qc.device)
+    dt = _dot_dtype(qc.dtype)
+    _castle_fwd_kernel[(B * H * n,)](
+        qc, kc, vc, qu, ku, vu, out, lse, u, sync,
+        qc.stride(0), qc.stride(1), qc.stride(2), H, L, n, _window_or_len(window, L), save_t, scale,
+        HEAD_DIM=D, BLOCK=bs, BLOCK_D=block_d, DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
+        num_warps=cfg.warps_fwd, num_stages=cfg.stages_fwd,
+    )
+    return out, lse, u
+
+
+def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
+    qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
+    B, H, L, D = qc.shape
+    bs, block_d = cfg.block_bwd, u.shape[-1]
+    n = triton.cdiv(L, bs)
+    do = do.contiguous()
+    delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
+    delta[:, :L] = (do.float() * out.float()).sum(-1).flatten(0, 1)
+    acc = [torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3)]
+    dqc, dku, dvu = acc
+    dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
+    dt = _dot_dtype(qc.dtype)
+    _castle_bwd_kernel[(B * H * n,)](
+        qc, kc, vc, qu, ku, vu, do, lse, delta, u,
+        dqc, dkc, dvc, dqu, dku, dvu,
+        qc.stride(0), qc.stride(1), qc.stride(2), H, L, n, _window_or_len(window, L), scale,
+        lse.shape[1], u.shape[1],
+        HEAD_DIM=D, BLOCK=bs, BLOCK_D=block_d, DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
+        INTERPRET=_interpreting(),
+        num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
+    )
+    return dqc.to(qc.dtype), dkc, dvc, dqu, dku.to(qc.dtype), dvu.to(qc.dtype)
+
+
+class _CastleTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qc, kc, vc, qu, ku, vu, window, scale, cfg):
+        L = qc.shape[-2]
+        save_t = (triton.cdiv(L, cfg.block_bwd) - 1) * cfg.block_bwd  # start of the backward's last row block
+        out, lse, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
+        ctx.save_for_backward(qc, kc, vc, qu, ku, vu, out, lse, u)
+        ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
+        return out
+
+    @staticmethod
+    def backward(ctx, do):
+        grads = _triton_backward(do, *ctx.saved_tensors, ctx.window, ctx.scale, ctx.cfg)
+        return (*grads, None, None, None)
+
+
+def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
+    assert triton is not None, "impl='triton' needs triton"
+    D, L = qc.shape[-1], qc.shape[-2]
+    assert D <= 128, "the Triton kernels take head dims up to 128"
+    cfg = cfg or _default_config(max(16, triton.next_power_of_2(D)), qc.dtype, L)
+    assert cfg.block_fwd % cfg.block_bwd == 0, "block_bwd must divide block_fwd"
+    return _CastleTriton.apply(qc, kc, vc, qu, ku, vu, window, scale, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto"):
+    """CASTLE (window=None) or CASTLE-SWL (window=W) attention; inputs (B, H, L, D) -> (B, H, L, D)."""
+    _check(qc, kc, vc, qu, ku, vu, window)
+    assert impl in _IMPLS, f"impl must be one of {_IMPLS}"
+    scale = qc.shape[-1] ** -0.5 if scale is None else scale
+    if qc.shape[-2] == 0:
+        return torch.empty_like(qc)
+    if impl == "auto":
+        impl = "triton" if qc.is_cuda and triton is not None and qc.dtype != torch.float64 else "torch"
+    if impl == "torch":
+        return _attn_parallel(qc, kc, vc, qu, ku, vu, window, scale)
+    if impl == "blockwise":
+        return _CastleBlockwise.apply(qc, kc, vc, qu, ku, vu, window, scale, 64)
+    return _attn_triton(qc, kc, vc, qu, ku, vu, window, scale)
+
+
+@dataclass
+class CastleCache:
+    """UQ-KV cache of one CASTLE layer (spec §4.2), tensors (B, H, T, D) after T positions.
+
+    u:  lookahead keys U^T, fp32 (fp64 for fp64 inputs); row T-1 is always zero.
+    qu: lookahead queries Q^U; for SWL only the last min(T, W) rows, the only ones read again.
+    kc, vc: causal keys and values.
+    window, scale: as given to castle_prefill; decode reuses them.
+    """
+    u: torch.Tensor
+    qu: torch.Tensor
+    kc: torch.Tensor
+    vc: torch.Tensor
+    window: int | None
+    scale: float
+
+    @property
+    def length(self):
+        return self.kc.shape[-2]
+
+
+def _keep_window(qu, window):
+    return qu if window is None else qu[..., max(0, qu.shape[-2] - window):, :]
+
+
+def _lookahead_keys(qu, ku, vu, window, scale, rows=256):
+    """U^L = sigmoid(s Qu Ku^T + M^U) Vu (Algorithm 4), one strip of owner rows at a time."""
+    L = qu.shape[-2]
+    idx = torch.arange(L, device=qu.device)
+    strips = [vu[..., :0, :]]
+    for r0 in range(0, L, rows):
+        own = idx[r0:r0 + rows, None]
+        keep = (idx[None, :] > own) & (idx[None, :] <= own + _window_or_len(window, L))
+        strips.append((torch.sigmoid(scale * qu[..., r0:r0 + rows, :] @ ku.mT) * keep) @ vu)
+    return torch.cat(strips, dim=-2)
+
+
+def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None):
+    """Attention over a prompt of L positions plus the UQ-KV cache after it (spec §4.3)."""
+    _check(qc, kc, vc, qu, ku, vu, window)
+    scale = qc.shape[-1] ** -0.5 if scale is None else scale
+    cdt = _compute_dtype(qc.dtype)
+    L = qc.shape[-2]
+    if qc.is_cuda and triton is not None and qc.dtype != torch.float64 and L > 0:
+        # The forward kernel's U buffer, with the last row block folded in too, is U^L (spec §4.3).
+        cfg = _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype, L)
+        out, _, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L)
+        u = u.view(*qc.shape[:2], -1, u.shape[-1])[:, :, :L, : qc.shape[-1]]
+    else:
+        out = castle_attn(qc, kc, vc, qu, ku, vu, window=window, scale=scale, impl="torch")
+        u = _lookahead_keys(qu.to(cdt), ku.to(cdt), vu.to(cdt), window, scale)
+    return out, CastleCache(u.to(cdt), _keep_window(qu, window), kc, vc, window, scale)
+
+
+def castle_decode(cache, qc, kc, vc, qu, ku, vu):
+    """One new position (B, H, 1, D): update U by eq (13), then score against [Kc; U]. O(T d)."""
+    assert qc.shape[-2] == 1, "castle_decode takes one position at a time"
+    scale, window, cdt = cache.scale, cache.window, cache.u.dtype
+    # Every cached Q^U row is an owner the new token reaches (for SWL the cache keeps exactly those).
+    t_old = cache.length
+    n_own = cache.qu.shape[-2]
+    w = torch.sigmoid(scale * cache.qu.to(cdt) @ ku.to(cdt).mT)                # (B, H, n_own, 1)
+    u = torch.cat([cache.u[..., : t_old - n_own, :],
+                   cache.u[..., t_old - n_own:, :] + w * vu.to(cdt),
+                   cache.u.new_zeros(*cache.u.shape[:2], 1, cache.u.shape[-1])], dim=-2)  # u_T = 0
+    kc_all = torch.cat([cache.kc, kc], dim=-2)
+    vc_all = torch.cat([cache.vc, vc], dim=-2)
+    q = qc.to(cdt)
+    scores = scale * q @ kc_all.to(cdt).mT - F.silu(scale * q @ u.mT)         # eqs (5)-(7)
+    out = (torch.softmax(scores, dim=-1) @ vc_all.to(cdt)).to(qc.dtype)       # eq (8)
+    new = CastleCache(u, _keep_window(torch.cat([cache.qu, qu], dim=-2), window), kc_all, vc_all, window, scale)
+    return out, new

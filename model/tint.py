@@ -1,0 +1,1474 @@
+"""TinT — Trainable Transformer in Transformer (Panigrahi, Malladi, Xia, Arora; ICML 2024) around our GPT.
+
+TinT is dynamic evaluation done inside one forward pass: it runs an auxiliary GPT (built by
+model/gpt.py) on a sequence, takes one (or a few) approximate SGD steps on the next-token loss of
+the sequence's first `n_train` tokens (the *training segment*), and scores the remaining tokens (the
+*test segment*) with the updated auxiliary model. The spec is ../shared/spec/tint.md; § numbers
+below refer to it.
+
+Two levels live in this file.
+
+(a) The reference update ("TinT-Ref", §2 and §5.2): the same approximate update computed directly
+    in PyTorch, for GPT-2-style (LayerNorm, GELU, learned positions, biases) and LLaMA-style
+    (RMSNorm, SwiGLU, RoPE, no biases) auxiliary models. The three approximations of TinT:
+      * gradients flow through attention only via the values (W_Q, W_K frozen, A treated as given);
+      * the backward of the norms and of the activation is a first-order finite difference
+        FD_f(x, d) = (f(x + eps*d) - f(x)) / eps  (for SwiGLU: paper Def. I.7, §5.2);
+      * only norm biases are updated (never gains); embeddings and head are frozen;
+    with the loss *summed* over the training segment and all updates taken from the pre-update
+    weights. It is implemented twice, independently, and tests check they agree in fp64:
+      * recipe "explicit" (A): a hand-written backward using the forward cache;
+      * recipe "autograd" (B): the forward with surrogate autograd functions (finite-difference
+        backward for norm and activation, detached attention probabilities), then torch.autograd.
+    Recipe B also gives the exact baselines of §2.10 (dynamic evaluation, matched or full).
+
+(b) The simulator ("TinT-Sim", §3 and §5.3) for GPT-2-style auxiliary models: a transformer whose
+    own parameters do not depend on the auxiliary weights. The auxiliary weights are *data*: they
+    sit on K prefix rows placed before the token rows, and linear-attention heads between token rows
+    and prefix rows compute every auxiliary linear map (forward W x + b, backward W^T d, descent
+    W <- W - lr * sum_t d_t x_t^T). All its maps are H-split (split-wise / dimension-wise)
+    linear maps. The simulator is modular, as in the paper's sizes and the official code (§3.13,
+    §7.1): state travels from a module to a much later one only through two explicit side
+    channels, `ActivationMemory` and `PrefixMemory`, whose only methods are `put` and `get` and
+    which only clone. Everything the simulator does to auxiliary data happens in its primitive
+    layers (TinT attention, H-split linear maps, group norm, row-wise MLP, gates) except two
+    declared ops, as in the official code: the embedding lookup at the input and the LM head /
+    loss gradient at the top (§3.12, "declared op" MVP).
+
+Public API
+    tint_reference(aux_model, idx, n_train, lr=..., **options) -> test-segment logits
+    tint_update(aux_model, idx, n_train, lr=..., **options)    -> per-sequence updated weights
+    TinT.from_model(aux_model, lr=..., **options)(idx, n_train) -> test-segment logits
+    tint_param_formula(sim_config) (our construction, exact) and paper_param_formula(...) (Table 1)
+
+The test-segment logits have shape (B, L - n_train, vocab): entry [:, i] is the model's
+distribution over token idx[:, n_train + i] (logits of positions n_train - 1 .. L - 2).
+
+Conventions (decisions of §7): summed loss (lr is per summed token), the last position carries no
+gradient, eps_fd = 1e-3 by default, kappa = 1 for the MLP output bias, W_Q/W_K/gains/embeddings
+frozen, layers below the top `n_layers` untouched, each sequence of a batch gets its own update.
+"""
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.gpt import apply_rope, mlp_hidden_size
+
+# ============================================================================ auxiliary model access
+
+UNSUPPORTED_FLAGS = ("qk_norm", "kv_shift", "output_gate", "output_norm")
+
+
+def check_aux_model(model):
+    """TinT needs a plain softmax-attention GPT (`attention="baseline"`, no Pro options)."""
+    c = model.config
+    if c.attention != "baseline":
+        raise ValueError(f"TinT wraps GPTs with attention='baseline', got {c.attention!r}")
+    bad = [f for f in UNSUPPORTED_FLAGS if getattr(c, f, False)]
+    if bad:
+        raise ValueError(f"TinT does not support the Pro options {bad} of the auxiliary model")
+    if c.norm not in ("layernorm", "rmsnorm") or c.mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"unsupported norm/mlp {c.norm}/{c.mlp}")
+    if model.training and c.dropout > 0:
+        raise ValueError("put the auxiliary model in eval mode (dropout must be off)")
+
+
+@dataclass
+class AuxArch:
+    """What the update needs to know about the auxiliary architecture."""
+    norm: str
+    mlp: str
+    pos: str
+    n_head: int
+    head_dim: int
+    eps: float
+    n_layer: int
+
+    @classmethod
+    def of(cls, model):
+        c = model.config
+        return cls(c.norm, c.mlp, c.pos, c.n_head, c.head_dim, c.norm_eps, c.n_layer)
+
+
+# names of the per-layer weights in our functional parameter dicts -> (module path, slice of qkv rows)
+LAYER_KEYS = ("ln1_w", "ln1_b", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "ln2_w", "ln2_b",
+              "w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
+# what TinT updates (§1.4; LLaMA style §5.2); gains, W_Q, W_K, embeddings and head stay frozen
+TINT_UPDATE = ("wv", "bv", "wo", "bo", "ln1_b", "ln2_b", "w_up", "b_up", "w_gate", "b_gate",
+               "w_down", "b_down")
+
+
+def layer_params(model, i):
+    """Layer i's weights as a dict (None where the model has no such tensor), views of the model's."""
+    blk = model.blocks[i]
+    inner = blk.attn.n_head * blk.attn.head_dim
+    qkv_w = blk.attn.qkv.weight
+    qkv_b = blk.attn.qkv.bias
+    p = {"ln1_w": blk.norm_attn.weight, "ln1_b": getattr(blk.norm_attn, "bias", None),
+         "wq": qkv_w[:inner], "wk": qkv_w[inner:2 * inner], "wv": qkv_w[2 * inner:],
+         "bq": None if qkv_b is None else qkv_b[:inner], "bk": None if qkv_b is None else qkv_b[inner:2 * inner],
+         "bv": None if qkv_b is None else qkv_b[2 * inner:],
+         "wo": blk.attn.out.weight, "bo": blk.attn.out.bias,
+         "ln2_w": blk.norm_mlp.weight, "ln2_b": getattr(blk.norm_mlp, "bias", None),
+         "w_up": blk.mlp.w_up.weight, "b_up": blk.mlp.w_up.bias,
+         "w_down": blk.mlp.w_down.weight, "b_down": blk.mlp.w_down.bias,
+         "w_gate": getattr(getattr(blk.mlp, "w_gate", None), "weight", None),
+         "b_gate": getattr(getattr(blk.mlp, "w_gate", None), "bias", None)}
+    return p
+
+
+def final_params(model):
+    return {"lnf_w": model.norm_f.weight, "lnf_b": getattr(model.norm_f, "bias", None)}
+
+
+def _batched(p, B):
+    """Per-sequence copies (B, ...) of a dict of tensors (None stays None)."""
+    return {k: None if v is None else v.detach().unsqueeze(0).expand(B, *v.shape).clone() for k, v in p.items()}
+
+
+def to_module_state(model, layers, final, start):
+    """Functional dict {parameter name: tensor} for `torch.func.functional_call` from our layer dicts
+    (unbatched, one sequence); `layers[k]` is auxiliary layer start + k."""
+    out = {}
+    for k, p in enumerate(layers):
+        i = start + k
+        pre = f"blocks.{i}."
+        out[pre + "norm_attn.weight"] = p["ln1_w"]
+        out[pre + "attn.qkv.weight"] = torch.cat([p["wq"], p["wk"], p["wv"]], 0)
+        out[pre + "attn.out.weight"] = p["wo"]
+        out[pre + "norm_mlp.weight"] = p["ln2_w"]
+        out[pre + "mlp.w_up.weight"] = p["w_up"]
+        out[pre + "mlp.w_down.weight"] = p["w_down"]
+        if p["w_gate"] is not None:
+            out[pre + "mlp.w_gate.weight"] = p["w_gate"]
+        for key, name in (("ln1_b", "norm_attn.bias"), ("bo", "attn.out.bias"), ("ln2_b", "norm_mlp.bias"),
+                          ("b_up", "mlp.w_up.bias"), ("b_down", "mlp.w_down.bias"), ("b_gate", "mlp.w_gate.bias")):
+            if p[key] is not None:
+                out[pre + name] = p[key]
+        if p["bq"] is not None:
+            out[pre + "attn.qkv.bias"] = torch.cat([p["bq"], p["bk"], p["bv"]], 0)
+    out["norm_f.weight"] = final["lnf_w"]
+    if final["lnf_b"] is not None:
+        out["norm_f.bias"] = final["lnf_b"]
+    return out
+
+
+# ============================================================================ (a) reference update
+
+@dataclass
+class UpdateOptions:
+    """Options of the reference update (§5.2). The defaults are TinT's."""
+    lr: float = 1e-4
+    n_layers: int | None = None           # top n_sim layers updated; None: all
+    n_steps: int = 1
+    fd_eps: float = 1e-3
+    method: str = "explicit"              # "explicit" (recipe A) | "autograd" (recipe B)
+    attn_grad: str = "value_only"         # "value_only" (TinT) | "full"         (autograd only)
+    norm_grad: str = "fd"                 # "fd" (TinT) | "exact"                 (autograd only)
+    act_grad: str = "fd"                  # "fd" (TinT) | "exact"                 (autograd only)
+    update_set: str = "tint"              # "tint" (§1.4) | "all" (every weight of the top blocks + norm_f)
+    mlp_out_bias_lr_mult: float = 1.0     # kappa: 1, or 4 to reproduce the official code's quirk (§2.9)
+
+    def __post_init__(self):
+        for name, allowed in (("method", ("explicit", "autograd")), ("attn_grad", ("value_only", "full")),
+                              ("norm_grad", ("fd", "exact")), ("act_grad", ("fd", "exact")),
+                              ("update_set", ("tint", "all"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
+        if self.method == "explicit" and (self.attn_grad, self.norm_grad, self.act_grad, self.update_set) != \
+                ("value_only", "fd", "fd", "tint"):
+            raise ValueError("the explicit recipe computes TinT's update only; use method='autograd' for the "
+                             "exact-gradient variants")
+        if self.n_steps < 1:
+            raise ValueError("n_steps must be >= 1")
+        if self.fd_eps <= 0:
+            raise ValueError("fd_eps must be > 0")
+
+
+def make_masks(idx, n_train, label_mask=None):
+    """train mask m (B, T) (1 on the training segment) and loss weights c (B, T): c_t = m_{t+1} lambda_{t+1}
+    for t < T - 1 and c_{T-1} = 0 (§2.2)."""
+    B, T = idx.shape
+    if not 1 <= n_train <= T:
+        raise ValueError(f"n_train={n_train} must be in [1, {T}]")
+    m = torch.zeros(B, T, device=idx.device)
+    m[:, :n_train] = 1
+    lam = torch.ones(B, T, device=idx.device) if label_mask is None else label_mask.to(idx.device).float()
+    c = torch.zeros(B, T, device=idx.device)
+    c[:, :-1] = m[:, 1:] * lam[:, 1:]
+    return m, c
+
+
+def _normalize(x, kind, eps):
+    """The norm without its affine part: N(x) (LayerNorm) or x / rms(x) (RMSNorm)."""
+    if kind == "layernorm":
+        return F.layer_norm(x, (x.size(-1),), eps=eps)
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
+
+
+def _act(z):
+    return F.gelu(z, approximate="tanh")
+
+
+def fd(f, x, d, eps):
+    """First-order finite difference (f(x + eps d) - f(x)) / eps (§2.3)."""
+    return (f(x + eps * d) - f(x)) / eps
+
+
+class _FDNorm(torch.autograd.Function):
+    """N(x) whose backward is the finite difference FD_N(x, grad) (recipe B)."""
+
+    @staticmethod
+    def forward(ctx, x, kind, eps, fd_eps):
+        ctx.save_for_backward(x)
+        ctx.cfg = (kind, eps, fd_eps)
+        return _normalize(x, kind, eps)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        kind, eps, fd_eps = ctx.cfg
+        return fd(lambda t: _normalize(t, kind, eps), x, g, fd_eps), None, None, None
+
+
+class _FDAct(torch.autograd.Function):
+    """GELU (tanh) whose backward is FD_sigma(z, grad)."""
+
+    @staticmethod
+    def forward(ctx, z, fd_eps):
+        ctx.save_for_backward(z)
+        ctx.fd_eps = fd_eps
+        return _act(z)
+
+    @staticmethod
+    def backward(ctx, g):
+        (z,) = ctx.saved_tensors
+        return fd(_act, z, g, ctx.fd_eps), None
+
+
+class _FDGLU(torch.autograd.Function):
+    """silu(a) * b with d_b = g silu(a) (exact) and d_a = [silu(a + eps g) - silu(a)] b / eps (Def. I.7)."""
+
+    @staticmethod
+    def forward(ctx, a, b, fd_eps):
+        ctx.save_for_backward(a, b)
+        ctx.fd_eps = fd_eps
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, g):
+        a, b = ctx.saved_tensors
+        return fd(F.silu, a, g, ctx.fd_eps) * b, g * F.silu(a), None
+
+
+class _Ops:
+    """The pieces of the forward that TinT's backward approximates; `surrogate` picks recipe B's versions."""
+
+    def __init__(self, arch, opts=None, surrogate=False):
+        self.arch, self.opts, self.surrogate = arch, opts, surrogate
+
+    def norm(self, x):
+        if self.surrogate and self.opts.norm_grad == "fd":
+            return _FDNorm.apply(x, self.arch.norm, self.arch.eps, self.opts.fd_eps)
+        return _normalize(x, self.arch.norm, self.arch.eps)
+
+    def act(self, z):
+        if self.surrogate and self.opts.act_grad == "fd":
+            return _FDAct.apply(z, self.opts.fd_eps)
+        return _act(z)
+
+    def glu(self, a, b):
+        if self.surrogate and self.opts.act_grad == "fd":
+            return _FDGLU.apply(a, b, self.opts.fd_eps)
+        return F.silu(a) * b
+
+    def probs(self, A):
+        if self.surrogate and self.opts.attn_grad == "value_only":
+            return A.detach()
+        return A
+
+
+def _lin(x, w, b):
+    """x (B, T, in) with per-sequence weights w (B, out, in), b (B, out) or None."""
+    y = torch.matmul(x, w.transpose(1, 2))
+    return y if b is None else y + b[:, None, :]
+
+
+def _affine(n, w, b):
+    y = n * w[:, None, :]
+    return y if b is None else y + b[:, None, :]
+
+
+def _block_forward(p, h, arch, rope, ops):
+    """One auxiliary block with per-sequence weights; returns (output, cache) (§2.1)."""
+    B, T, _ = h.shape
+    H, dh = arch.n_head, arch.head_dim
+    c = {"h": h}
+    c["n1"] = n1 = ops.norm(h)
+    c["u"] = u = _affine(n1, p["ln1_w"], p["ln1_b"])
+    q, k, v = (_lin(u, p[w], p[b]).view(B, T, H, dh).transpose(1, 2)
+               for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
+    q, k = apply_rope(q, rope), apply_rope(k, rope)
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(dh)
+    causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
+    c["A"] = A = ops.probs(torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1))
+    c["a"] = a = torch.matmul(A, v).transpose(1, 2).reshape(B, T, H * dh)
+    c["h1"] = h1 = h + _lin(a, p["wo"], p["bo"])
+    c["n2"] = n2 = ops.norm(h1)
+    c["r"] = r = _affine(n2, p["ln2_w"], p["ln2_b"])
+    if arch.mlp == "gelu":
+        c["z"] = z = _lin(r, p["w_up"], p["b_up"])
+        c["g"] = g = ops.act(z)
+    else:
+        c["za"] = za = _lin(r, p["w_gate"], p["b_gate"])
+        c["zb"] = zb = _lin(r, p["w_up"], p["b_up"])
+        c["g"] = g = ops.glu(za, zb)
+    return h1 + _lin(g, p["w_down"], p["b_down"]), c
+
+
+def _embed(model, idx):
+    x = model.wte.weight[idx]
+    if model.wpe is not None:
+        x = x + model.wpe.weight[: idx.size(1)]
+    return x
+
+
+def _lower_forward(model, idx, start):
+    """Input of layer `start` (the first simulated one), computed with the frozen lower layers."""
+    x = _embed(model, idx)
+    rope = model._rope(0, idx.size(1), idx.device)
+    for blk in model.blocks[:start]:
+        x = blk(x, rope)
+    return x.detach()
+
+
+def _head_logits(model, f):
+    return f @ model.lm_head.weight.t()
+
+
+def _descent_sum(d, x, m):
+    """sum_t m_t d_t x_t^T per sequence: (B, out, in)."""
+    return torch.einsum("bto,bti->boi", d * m[..., None], x)
+
+
+def _bias_sum(d, m):
+    return (d * m[..., None]).sum(1)
+
+
+def _explicit_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
+    """Recipe A: forward with cache, then the hand-written approximate backward of §2.3.
+    Returns gradients {layer k: {key: grad}}, {"lnf_b": grad} (descent directions, before -lr)."""
+    ops = _Ops(arch)
+    eps = opts.fd_eps
+    norm = lambda x: _normalize(x, arch.norm, arch.eps)  # noqa: E731
+    h, caches = h_in, []
+    for p in layers:
+        h, cache = _block_forward(p, h, arch, rope, ops)
+        caches.append(cache)
+    nf = norm(h)
+    f = _affine(nf, final["lnf_w"], final["lnf_b"])
+    logits = _head_logits(model, f)
+    target = torch.zeros_like(logits).scatter_(-1, idx.roll(-1, 1)[..., None], 1.0)
+    df = c[..., None] * (torch.softmax(logits, -1) - target) @ model.lm_head.weight           # §2.2
+    grads_final = {"lnf_b": _bias_sum(df, m) if final["lnf_b"] is not None else None}
+    dh = fd(norm, h, final["lnf_w"][:, None] * df, eps)
+    grads = [None] * len(layers)
+    for k in reversed(range(len(layers))):
+        p, cc = layers[k], caches[k]
+        g = {}
+        # MLP branch
+        dy = torch.matmul(dh, p["w_down"])                       # dL/d(MLP hidden output)
+        g["w_down"] = _descent_sum(dh, cc["g"], m)
+        g["b_down"] = _bias_sum(dh, m) * opts.mlp_out_bias_lr_mult if p["b_down"] is not None else None
+        if arch.mlp == "gelu":
+            dz = fd(_act, cc["z"], dy, eps)                      # approx. 1
+            dr = torch.matmul(dz, p["w_up"])
+            g["w_up"], g["b_up"] = _descent_sum(dz, cc["r"], m), _bias_sum(dz, m) if p["b_up"] is not None else None
+        else:
+            d_up = dy * F.silu(cc["za"])
+            d_gate = fd(F.silu, cc["za"], dy, eps) * cc["zb"]
+            dr = torch.matmul(d_gate, p["w_gate"]) + torch.matmul(d_up, p["w_up"])
+            g["w_up"], g["w_gate"] = _descent_sum(d_up, cc["r"], m), _descent_sum(d_gate, cc["r"], m)
+            g["b_up"] = _bias_sum(d_up, m) if p["b_up"] is not None else None
+            g["b_gate"] = _bias_sum(d_gate, m) if p["b_gate"] is not None else None
+        g["ln2_b"] = _bias_sum(dr, m) if p["ln2_b"] is not None else None
+        dh1 = dh + fd(norm, cc["h1"], p["ln2_w"][:, None] * dr, eps)   # approx. 2
+        # attention branch: value path only (approx. 3)
+        da = torch.matmul(dh1, p["wo"])
+        g["wo"], g["bo"] = _descent_sum(dh1, cc["a"], m), _bias_sum(dh1, m) if p["bo"] is not None else None
+        B, T, _ = da.shape
+        da_h = da.view(B, T, arch.n_head, arch.head_dim).transpose(1, 2)
+        eye = torch.eye(T, dtype=torch.bool, device=da.device)
+        use = (eye | m.bool()[:, :, None])[:, None]              # A_{j,t} used iff j == t or m_j = 1
+        dv = torch.matmul((cc["A"] * use).transpose(-1, -2), da_h).transpose(1, 2).reshape(B, T, -1)
+        g["wv"], g["bv"] = _descent_sum(dv, cc["u"], m), _bias_sum(dv, m) if p["bv"] is not None else None
+        du = torch.matmul(dv, p["wv"])
+        g["ln1_b"] = _bias_sum(du, m) if p["ln1_b"] is not None else None
+        dh = dh1 + fd(norm, cc["h"], p["ln1_w"][:, None] * du, eps)
+        grads[k] = g
+    return grads, grads_final
+
+
+def _autograd_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
+    """Recipe B: surrogate forward + torch.autograd on the masked summed loss (§2.8 B)."""
+    ops = _Ops(arch, opts, surrogate=True)
+    keys = TINT_UPDATE if opts.update_set == "tint" else LAYER_KEYS
+    with torch.enable_grad():
+        leaves = []
+        layers = [dict(p) for p in layers]
+        for p in layers:
+            for key in keys:
+                if p[key] is not None:
+                    p[key] = p[key].detach().requires_grad_(True)
+                    leaves.append(p[key])
+        final = dict(final)
+        fkeys = ("lnf_b",) if opts.update_set == "tint" else ("lnf_w", "lnf_b")
+        for key in fkeys:
+            if final[key] is not None:
+                final[key] = final[key].detach().requires_grad_(True)
+                leaves.append(final[key])
+        h = h_in
+        for p in layers:
+            h, _ = _block_forward(p, h, arch, rope, ops)
+        f = _affine(ops.norm(h), final["lnf_w"], final["lnf_b"])
+        logits = _head_logits(model, f)
+        nll = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten(), reduction="none")
+        loss = (nll * c.flatten()).sum()
+        gl = torch.autograd.grad(loss, leaves, allow_unused=True)
+    it = iter(gl)
+    grads = []
+    for p in layers:
+        g = {}
+        for key in keys:
+            if p[key] is not None:
+                gk = next(it)
+                g[key] = torch.zeros_like(p[key]) if gk is None else gk
+        if g.get("b_down") is not None:
+            g["b_down"] = g["b_down"] * opts.mlp_out_bias_lr_mult
+        grads.append(g)
+    gf = {}
+    for key in fkeys:
+        if final[key] is not None:
+            gk = next(it)
+            gf[key] = torch.zeros_like(final[key]) if gk is None else gk
+    return grads, gf
+
+
+def tint_update(aux_model, idx, n_train, lr=None, label_mask=None, return_h_in=False, **options):
+    """TinT's approximate update (§2) for every sequence of idx (B, L) on its first n_train tokens.
+
+    Returns (layers, final, start): `layers[k]` holds the per-sequence (B, ...) weights of auxiliary
+    layer start + k after n_steps steps, `final` the final norm's. Never mutates the model.
+    """
+    opts = UpdateOptions(**({} if lr is None else {"lr": lr}), **options)
+    check_aux_model(aux_model)
+    arch = AuxArch.of(aux_model)
+    B, T = idx.shape
+    n_sim = arch.n_layer if opts.n_layers is None else opts.n_layers
+    if not 1 <= n_sim <= arch.n_layer:
+        raise ValueError(f"n_layers={n_sim} must be in [1, {arch.n_layer}]")
+    start = arch.n_layer - n_sim
+    m, c = make_masks(idx, n_train, label_mask)
+    dtype = aux_model.wte.weight.dtype
+    m, c = m.to(dtype), c.to(dtype)
+    with torch.no_grad():
+        h_in = _lower_forward(aux_model, idx, start)
+        rope = aux_model._rope(0, T, idx.device)
+        layers = [_batched(layer_params(aux_model, i), B) for i in range(start, arch.n_layer)]
+        final = _batched(final_params(aux_model), B)
+        grad_fn = _explicit_grads if opts.method == "explicit" else _autograd_grads
+        for _ in range(opts.n_steps):
+            grads, gfinal = grad_fn(aux_model, arch, layers, final, h_in, idx, m, c, opts, rope)
+            # all updates together, from the pre-update weights (§2.4)
+            layers = [{k: (v - opts.lr * g[k] if g.get(k) is not None else v) for k, v in p.items()}
+                      for p, g in zip(layers, grads)]
+            final = {k: (v - opts.lr * gfinal[k] if gfinal.get(k) is not None else v) for k, v in final.items()}
+    return (layers, final, start, h_in) if return_h_in else (layers, final, start)
+
+
+def score_updated(aux_model, layers, final, start, idx, n_train):
+    """Forward the updated auxiliary model (its own code, `functional_call`) per sequence; return the
+    test-segment logits (B, L - n_train, V)."""
+    outs = []
+    with torch.no_grad():
+        for b in range(idx.size(0)):
+            state = to_module_state(aux_model, [{k: None if v is None else v[b] for k, v in p.items()}
+                                                for p in layers],
+                                    {k: None if v is None else v[b] for k, v in final.items()}, start)
+            logits, _ = torch.func.functional_call(aux_model, state, (idx[b:b + 1],))
+            outs.append(logits[:, n_train - 1: idx.size(1) - 1])
+    return torch.cat(outs, 0)
+
+
+def tint_reference(aux_model, idx, n_train, lr=None, label_mask=None, **options):
+    """Test-segment logits (B, L - n_train, V) of the auxiliary model after TinT's update (§5.2)."""
+    layers, final, start = tint_update(aux_model, idx, n_train, lr=lr, label_mask=label_mask, **options)
+    return score_updated(aux_model, layers, final, start, idx, n_train)
+
+
+def dyn_eval_reference(aux_model, idx, n_train, lr, full=False, **options):
+    """Exact-gradient dynamic evaluation baselines (§2.10): 'matched' (TinT's parameter set, summed loss,
+    same lr) or `full=True` (every weight of the top blocks and the final norm; embeddings frozen)."""
+    return tint_reference(aux_model, idx, n_train, lr=lr, method="autograd", attn_grad="full", norm_grad="exact",
+                          act_grad="exact", update_set="all" if full else "tint", **options)
+
+
+# ============================================================================ (b) the simulator
+#
+# Layout (§3.2, §3.3). D = n_embd, K prefix rows, S = D / K >= 3, D_s = (S + 1) D.
+# A row is a D_s vector seen as D_s / D channel blocks B0 .. BS of width D, each made of S shards of
+# K channels (shard index = channel // K; the grid of the linear modules is H_L = (S + 1) S rows of K).
+#   token rows:  B0 = the auxiliary signal; B1 .. BS = scratch and the memory a backward module needs
+#                (linear layer input x: BS; norm (N(x), x): (B_{S-1}, BS); attention (q, k, u): B_{S-2..S}).
+#   prefix row j, for a D x D map (W, b): slot s < S (channels [sD, (s+1)D)) holds row w_{sK + j};
+#                the bias slot BS holds b (only row 0's copy is read and updated). A norm (gamma, beta) is
+#                the map diag(gamma) with bias beta. (This is the spec's layout with rows sK + j instead of
+#                jS + s, which makes every re-ordering of the linear modules a whole-shard move.)
+# Heads of the linear modules (H_L heads of size K): weight head (s, r) = s S + r reads shard s S + r of
+# the prefix row; bias head s = S^2 + s reads the bias shard S^2 + s.
+
+class SideChannel:
+    """Copy-only store between simulator modules (§3.13, §5.3): `put` stores a clone, `get` returns a
+    clone. It holds no arithmetic, so a test can prove that all computation is in the modules."""
+
+    def __init__(self):
+        self._store = {}
+
+    def put(self, key, value):
+        self._store[key] = value.detach().clone()
+
+    def get(self, key):
+        return self._store[key].clone()
+
+
+class ActivationMemory(SideChannel):
+    """(layer, op) -> the memory channels of the token rows written by a forward module."""
+
+
+class PrefixMemory(SideChannel):
+    """(layer, param) -> the K x D_s prefix contents (the auxiliary weights, current version)."""
+
+
+@dataclass
+class SimConfig:
+    """Sizes of the simulator built around one auxiliary configuration (§5.3 sizing rule)."""
+    n_embd: int
+    n_head: int
+    head_dim: int
+    n_layer: int
+    vocab_size: int
+    block_size: int            # T_max: longest auxiliary sequence (position one-hots)
+    mlp_hidden: int
+    bias: bool
+    norm_eps: float
+    pos: str
+    lr: float
+    n_layers: int              # n_sim
+    n_steps: int = 1
+    fd_eps: float = 1e-3
+    mlp_out_bias_lr_mult: float = 1.0
+    K: int = 0                 # prefix rows; 0: D / S with the smallest S >= 3 dividing D
+    H_soft: int = 0            # heads of the softmax modules; 0: H_L when K >= head_dim
+    gate_scale: float = 100.0  # tanh(100) == 1.0 exactly even in fp64
+    S: int = field(init=False)
+    D_s: int = field(init=False)
+    H_L: int = field(init=False)
+    P: int = field(init=False)
+    n_chunks: int = field(init=False)
+
+    def __post_init__(self):
+        D = self.n_embd
+        if self.n_head * self.head_dim != D:
+            raise ValueError("the simulator needs n_head * head_dim == n_embd (square D x D maps)")
+        if not self.K:
+            S = next((s for s in range(3, D + 1) if D % s == 0), None)
+            if S is None:
+                raise ValueError(f"n_embd={D} has no divisor S >= 3")
+            self.K = D // S
+        if D % self.K or D // self.K < 3:
+            raise ValueError(f"K={self.K} must divide n_embd={D} with S = D / K >= 3 (memory needs 3 blocks)")
+        self.S = D // self.K
+        self.D_s = (self.S + 1) * D
+        self.H_L = (self.S + 1) * self.S
+        if not self.H_soft:
+            cands = [self.H_L] + list(range(self.n_head, self.D_s + 1))
+            self.H_soft = next(h for h in cands if self.D_s % h == 0 and self.D_s // h >= self.head_dim
+                               and h >= self.n_head)
+        if self.D_s % self.H_soft or self.D_s // self.H_soft < self.head_dim or self.H_soft < self.n_head:
+            raise ValueError(f"H_soft={self.H_soft} must divide D_s={self.D_s}, be >= n_head and give heads "
+                             f">= head_dim={self.head_dim}")
+        self.P = self.block_size + self.K
+        self.n_chunks = -(-self.mlp_hidden // D)
+        if not 1 <= self.n_layers <= self.n_layer:
+            raise ValueError(f"n_layers={self.n_layers} must be in [1, {self.n_layer}]")
+
+    @classmethod
+    def from_aux(cls, config, lr, n_layers=None, **kw):
+        if config.norm != "layernorm" or config.mlp != "gelu" or config.pos == "rope":
+            raise NotImplementedError(
+                "the TinT simulator supports GPT-2-style auxiliary models (LayerNorm, GELU, learned or no "
+                "positions); LLaMA-style (RMSNorm, SwiGLU, RoPE) is supported by tint_reference only")
+        return cls(n_embd=config.n_embd, n_head=config.n_head, head_dim=config.head_dim, n_layer=config.n_layer,
+                   vocab_size=config.vocab_size, block_size=config.block_size,
+                   mlp_hidden=mlp_hidden_size(config), bias=config.bias, norm_eps=config.norm_eps, pos=config.pos,
+                   lr=lr, n_layers=config.n_layer if n_layers is None else n_layers, **kw)
+
+
+# ---------------------------------------------------------------------------- primitives (§3.1)
+
+class HSplitLinear(nn.Module):
+    """A linear map of R^{D_s} seen as an H x d grid (row h = head h), as a product of H-split stages
+    (§3.7): "dim" (dimension-wise: per column c an H x H matrix, d H^2 parameters) and "split"
+    (split-wise: per row h a d x d matrix, H d^2 parameters). ("dim",) moves and mixes whole rows;
+    ("dim", "split", "dim") realises any re-ordering of the grid cells (three-pass permutation)."""
+
+    def __init__(self, H, d, stages, dtype=None, device=None):
+        super().__init__()
+        self.H, self.d, self.stages = H, d, tuple(stages)
+        self.weights = nn.ParameterList(
+            nn.Parameter(torch.zeros((d, H, H) if s == "dim" else (H, d, d), dtype=dtype, device=device),
+                         requires_grad=False) for s in self.stages)
+
+    def forward(self, x):
+        g = x.unflatten(-1, (self.H, self.d))
+        for s, w in zip(self.stages, self.weights):
+            if s == "dim":      # out[g, c] = sum_h w[c, g, h] x[h, c]
+                g = torch.einsum("...hc,cgh->...gc", g, w)
+            else:               # out[h, f] = sum_c w[h, f, c] x[h, c]
+                g = torch.einsum("...hc,hfc->...hf", g, w)
+        return g.flatten(-2)
+
+    @torch.no_grad()
+    def set_row_mixing(self, A):
+        """("dim",) stage: output row g = sum_h A[g][h] * input row h."""
+        assert self.stages == ("dim",)
+        self.weights[0].copy_(torch.as_tensor(A, dtype=self.weights[0].dtype).expand(self.d, self.H, self.H))
+
+    @torch.no_grad()
+    def set_routes(self, routes):
+        """("dim", "split", "dim") stages moving input cell (h, c) to output cell (h', c') times w, for a list
+        of routes ((h, c), (h', c'), w) with distinct sources and distinct destinations."""
+        assert self.stages == ("dim", "split", "dim")
+        W1, W2, W3 = compile_routes(self.H, self.d, routes)
+        for p, W in zip(self.weights, (W1, W2, W3)):
+            p.copy_(W)
+
+
+_ROUTE_CACHE = {}
+
+
+def compile_routes(H, d, routes):
+    """Three-pass grid permutation (§3.7, derived from König's edge-colouring theorem): complete the
+    partial permutation, colour the H-regular bipartite multigraph (input column -> output column) with
+    H perfect matchings; colour k is the middle row. Returns float64 (W1 dim, W2 split, W3 dim)."""
+    key = (H, d, tuple(routes))
+    if key in _ROUTE_CACHE:
+        return _ROUTE_CACHE[key]
+    src = {r[0] for r in routes}
+    dst = {r[1] for r in routes}
+    if len(src) != len(routes) or len(dst) != len(routes):
+        raise ValueError("routes must have distinct sources and destinations")
+    free_s = [(h, c) for h in range(H) for c in range(d) if (h, c) not in src]
+    free_d = [(h, c) for h in range(H) for c in range(d) if (h, c) not in dst]
+    edges = list(routes) + [(s, t, 0.0) for s, t in zip(free_s, free_d)]
+    pair_edges = {}
+    for i, ((_, cs), (_, cd), _) in enumerate(edges):
+        pair_edges.setdefault((cs, cd), []).append(i)
+    count = {}
+    for (cs, cd), ids in pair_edges.items():
+        count[(cs, cd)] = len(ids)
+    W1 = torch.zeros(d, H, H, dtype=torch.float64)
+    W2 = torch.zeros(H, d, d, dtype=torch.float64)
+    W3 = torch.zeros(d, H, H, dtype=torch.float64)
+    for k in range(H):
+        adj = [[] for _ in range(d)]
+        for (cs, cd), n in count.items():
+            if n:
+                adj[cs].append(cd)
+        match_r = [-1] * d          # output column -> input column
+
+        def augment(u, seen):
+            for v in adj[u]:
+                if not seen[v]:
+                    seen[v] = True
+                    if match_r[v] < 0 or augment(match_r[v], seen):
+                        match_r[v] = u
+                        return True
+            return False
+
+        for u in range(d):
+            if not augment(u, [False] * d):
+                raise RuntimeError("no perfect matching (not a regular multigraph?)")
+        for cd, cs in enumerate(match_r):
+            i = pair_edges[(cs, cd)].pop()
+            count[(cs, cd)] -= 1
+            (hs, _), (hd, _), w = edges[i]
+            W1[cs, k, hs] = w
+            W2[k, cd, cs] = 1.0
+            W3[cd, hd, k] = 1.0
+    _ROUTE_CACHE[key] = (W1, W2, W3)
+    return W1, W2, W3
+
+
+class Gate(nn.Module):
+    """Position-dependent gated combination (§3.1 item 5): new = sum_i G_i * x_i over the inputs
+    (x_0 = the old state, then module outputs), G_i[row, ch] = tanh(scale * (rho(row) c_i[ch] + b_i[ch]))
+    with rho = one-hot . w_rho (1 on prefix rows, 0 on token rows). Gates are exactly 0 or 1."""
+
+    def __init__(self, cfg, n_in, dtype=None, device=None):
+        super().__init__()
+        self.scale = cfg.gate_scale
+        self.w_rho = nn.Parameter(torch.zeros(cfg.P, dtype=dtype, device=device), requires_grad=False)
+        self.c = nn.Parameter(torch.zeros(n_in, cfg.D_s, dtype=dtype, device=device), requires_grad=False)
+        self.b = nn.Parameter(torch.zeros(n_in, cfg.D_s, dtype=dtype, device=device), requires_grad=False)
+        with torch.no_grad():
+            self.w_rho[cfg.block_size:] = 1.0   # prefix one-hot coordinates
+
+    @torch.no_grad()
+    def set(self, i, token, prefix):
+        """Input i's gate: 0/1 channel vectors (or scalars) on token rows and on prefix rows."""
+        token = torch.as_tensor(token, dtype=self.b.dtype).expand(self.b.size(1))
+        prefix = torch.as_tensor(prefix, dtype=self.b.dtype).expand(self.b.size(1))
+        self.b[i] = token
+        self.c[i] = prefix - token
+
+    def forward(self, ctx, xs):
+        rho = ctx.onehot @ self.w_rho                                           # (N,)
+        G = torch.tanh(self.scale * (rho[None, :, None] * self.c[:, None, :] + self.b[:, None, :]))
+        out = G[0] * xs[0]
+        for g, x in zip(G[1:], xs[1:]):
+            out = out + g * x
+        return out
+
+
+class TinTAttention(nn.Module):
+    """TinT attention (paper Def. B.1): H heads of size d = D_s / H; q, k, v = H-split map of the row plus
+    lambda_h * (one-hot . W^p) (W^p shared by the heads, gated per head); scores linear (q . k, times the
+    0/1 mask) or softmax (masked). `transpose` mixes the values with A^T (the code's T1 op, §3.10), with
+    a second 0/1 mask applied to A^T. Output: concatenated heads through an H-split map."""
+
+    def __init__(self, cfg, H, kind, stages, transpose=False, dtype=None, device=None):
+        super().__init__()
+        self.H, self.d, self.kind, self.transpose = H, cfg.D_s // H, kind, transpose
+        mk = lambda: HSplitLinear(H, self.d, stages, dtype, device)  # noqa: E731
+        self.q_map, self.k_map, self.v_map, self.o_map = mk(), mk(), mk(), mk()
+        z = lambda *s: nn.Parameter(torch.zeros(*s, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
+        self.pos_q, self.pos_k, self.pos_v = z(cfg.P, self.d), z(cfg.P, self.d), z(cfg.P, self.d)
+        self.lam = z(3, H)
+
+    def forward(self, e, ctx, mask, mask_t=None):
+        B, N, _ = e.shape
+
+        def proj(m, pos, lam):
+            x = m(e).view(B, N, self.H, self.d) + lam[None, None, :, None] * (ctx.onehot @ pos)[None, :, None, :]
+            return x.transpose(1, 2)
+
+        q, k, v = proj(self.q_map, self.pos_q, self.lam[0]), proj(self.k_map, self.pos_k, self.lam[1]), \
+            proj(self.v_map, self.pos_v, self.lam[2])
+        s = torch.matmul(q, k.transpose(-1, -2))
+        if self.kind == "linear":
+            A = s * mask
+        else:
+            A = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1)
+            if self.transpose:
+                A = A.transpose(-1, -2) * mask_t
+        y = torch.matmul(A, v).transpose(1, 2).reshape(B, N, -1)
+        return self.o_map(y)
+
+
+# ---------------------------------------------------------------------------- layers (primitive + gate)
+
+def _blocks_vec(cfg, blocks, dtype):
+    v = torch.zeros(cfg.D_s, dtype=dtype)
+    for b in blocks:
+        v[b * cfg.n_embd:(b + 1) * cfg.n_embd] = 1
+    return v
+
+
+class RouteLayer(nn.Module):
+    """Row-wise linear layer ("dim" H-split map on the H_L x K grid) writing whole blocks of the token
+    rows: spec {out_block: [(in_block, coef), ...]} (an empty list writes zeros). Other channels and
+    the prefix rows are kept. Used for memory taps, moves, accumulations and the finite-difference maps."""
+
+    def __init__(self, cfg, spec, dtype=None, device=None):
+        super().__init__()
+        self.map = HSplitLinear(cfg.H_L, cfg.K, ("dim",), dtype, device)
+        self.gate = Gate(cfg, 2, dtype, device)
+        S = cfg.S
+        A = torch.zeros(cfg.H_L, cfg.H_L, dtype=torch.float64)
+        for ob, terms in spec.items():
+            for ib, coef in terms:
+                for s in range(S):
+                    A[ob * S + s, ib * S + s] += coef
+        self.map.set_row_mixing(A)
+        out = _blocks_vec(cfg, spec, torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+
+    def forward(self, e, ctx):
+        return self.gate(ctx, [e, self.map(e)])
+
+
+class NormLayer(nn.Module):
+    """Group normalisation (§3.1 item 3): each listed D-block of the token rows normalised on its own."""
+
+    def __init__(self, cfg, blocks, dtype=None, device=None):
+        super().__init__()
+        self.blocks, self.D, self.eps = tuple(blocks), cfg.n_embd, cfg.norm_eps
+        self.gate = Gate(cfg, 2, dtype, device)
+        out = _blocks_vec(cfg, blocks, torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+
+    def forward(self, e, ctx):
+        y = e.clone()
+        for b in self.blocks:
+            sl = slice(b * self.D, (b + 1) * self.D)
+            y[..., sl] = _normalize(e[..., sl], "layernorm", self.eps)
+        return self.gate(ctx, [e, y])
+
+
+class ActLayer(nn.Module):
+    """Row-wise MLP whose nonlinearity is the auxiliary activation (§3.9): out = M_out sigma(M_in e),
+    maps optional (identity when absent); writes block B0 of the token rows."""
+
+    def __init__(self, cfg, in_spec=None, out_spec=None, dtype=None, device=None):
+        super().__init__()
+        self.in_map = self.out_map = None
+        for name, spec in (("in_map", in_spec), ("out_map", out_spec)):
+            if spec is not None:
+                m = HSplitLinear(cfg.H_L, cfg.K, ("dim",), dtype, device)
+                A = torch.zeros(cfg.H_L, cfg.H_L, dtype=torch.float64)
+                for ob, terms in spec.items():
+                    for ib, coef in terms:
+                        for s in range(cfg.S):
+                            A[ob * cfg.S + s, ib * cfg.S + s] += coef
+                m.set_row_mixing(A)
+                setattr(self, name, m)
+        self.gate = Gate(cfg, 2, dtype, device)
+        out = _blocks_vec(cfg, [0], torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+
+    def forward(self, e, ctx):
+        h = e if self.in_map is None else self.in_map(e)
+        y = _act(h)
+        y = y if self.out_map is None else self.out_map(y)
+        return self.gate(ctx, [e, y])
+
+
+def _lin_heads(cfg):
+    S = cfg.S
+    weight = [(s, r, s * S + r) for s in range(S) for r in range(S)]
+    bias = [(s, S * S + s) for s in range(S)]
+    return weight, bias
+
+
+def _set_linear_forward(att, cfg):
+    """Linear Forward (§3.4): token t, weight head (s, r): query x_t^(r) (shard r of B0), key shard sS+r
+    of prefix row j, value e_j -> sum_j <x^(r), w^(r)_{sK+j}> e_j; bias head s: query e_0, key e_j,
+    value the bias shard s -> b^(s). Output: B0 shard s = sum_r head (s, r) + bias head s."""
+    S, Tm = cfg.S, cfg.block_size
+    weight, bias = _lin_heads(cfg)
+    H = cfg.H_L
+    Aq, Ak, Av, Ao = (torch.zeros(H, H, dtype=torch.float64) for _ in range(4))
+    with torch.no_grad():
+        for s, r, h in weight:
+            Aq[h, r] = 1
+            Ak[h, h] = 1
+            att.lam[2, h] = 1
+            Ao[s, h] = 1
+        for s, h in bias:
+            Av[h, h] = 1
+            att.lam[0, h] = 1
+            att.lam[1, h] = 1
+            Ao[s, h] = 1
+        att.pos_q[:Tm, 0] = 1                          # token rows -> e_0
+        for j in range(cfg.K):
+            att.pos_k[Tm + j, j] = 1                   # prefix row j -> e_j
+            att.pos_v[Tm + j, j] = 1
+    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), (Aq, Ak, Av, Ao)):
+        m.set_row_mixing(A)
+
+
+def _set_linear_backward(att, cfg):
+    """Linear Backward (§3.5): head (s, r): query pi_s(dy) (shard s of B0), key e_j, value w^(r)_{sK+j}
+    (prefix shard sS+r); output B0 shard r = sum_s head (s, r) = (W^T dy)^(r)."""
+    Tm = cfg.block_size
+    weight, _ = _lin_heads(cfg)
+    H = cfg.H_L
+    Aq, Ak, Av, Ao = (torch.zeros(H, H, dtype=torch.float64) for _ in range(4))
+    with torch.no_grad():
+        for s, r, h in weight:
+            Aq[h, s] = 1
+            att.lam[1, h] = 1
+            Av[h, h] = 1
+            Ao[r, h] = 1
+        for j in range(cfg.K):
+            att.pos_k[Tm + j, j] = 1
+    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), (Aq, Ak, Av, Ao)):
+        m.set_row_mixing(A)
+
+
+def _set_linear_descent(att, cfg, lr_weight, lr_bias):
+    """Linear Descent (§3.6): prefix row j is the query (e_j); weight head (s, r): key pi_s(dy_t), value
+    -lr x_t^(r) (x in BS) -> adds -lr sum_t dy_t[sK+j] x_t^(r) to slot s shard r; bias head s: key e_0,
+    value -lr dy_t^(s) -> adds -lr sum_t dy_t^(s) to the bias shard of row 0 only. lr is folded into the
+    value maps (a construction constant); lr_weight = 0 gives the bias-only descent of the norms."""
+    S, Tm = cfg.S, cfg.block_size
+    weight, bias = _lin_heads(cfg)
+    H = cfg.H_L
+    Aq, Ak, Av, Ao = (torch.zeros(H, H, dtype=torch.float64) for _ in range(4))
+    with torch.no_grad():
+        att.lam[0, :] = 1
+        for j in range(cfg.K):
+            att.pos_q[Tm + j, j] = 1
+        att.pos_k[:Tm, 0] = 1
+        for s, r, h in weight:
+            Ak[h, s] = 1
+            Av[h, S * S + r] = -lr_weight
+            Ao[h, h] = 1
+        for s, h in bias:
+            att.lam[1, h] = 1
+            Av[h, s] = -lr_bias
+            Ao[h, h] = 1
+    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), (Aq, Ak, Av, Ao)):
+        m.set_row_mixing(A)
+
+
+class LinearLayer(nn.Module):
+    """Linear Forward as a layer: token rows get y = W x + b in B0; prefix rows kept."""
+
+    def __init__(self, cfg, dtype=None, device=None):
+        super().__init__()
+        self.att = TinTAttention(cfg, cfg.H_L, "linear", ("dim",), dtype=dtype, device=device)
+        _set_linear_forward(self.att, cfg)
+        self.gate = Gate(cfg, 2, dtype, device)
+        out = _blocks_vec(cfg, [0], torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+
+    def forward(self, e, ctx):
+        return self.gate(ctx, [e, self.att(e, ctx, ctx.masks["tok2pre"])])
+
+
+class BackwardDescentLayer(nn.Module):
+    """[Linear Backward || Linear Descent] on the same input (§3.6, the code's Linear_Descent_Backward):
+    token rows get W^T dy in B0, prefix rows get W - lr sum dy x^T (and b - lr sum dy). Both read the
+    pre-update W. descent=False: backward only (norms without a bias)."""
+
+    def __init__(self, cfg, lr_weight, lr_bias, descent=True, dtype=None, device=None):
+        super().__init__()
+        self.bwd = TinTAttention(cfg, cfg.H_L, "linear", ("dim",), dtype=dtype, device=device)
+        _set_linear_backward(self.bwd, cfg)
+        self.desc = None
+        if descent:
+            self.desc = TinTAttention(cfg, cfg.H_L, "linear", ("dim",), dtype=dtype, device=device)
+            _set_linear_descent(self.desc, cfg, lr_weight, lr_bias)
+        self.gate = Gate(cfg, 3 if descent else 2, dtype, device)
+        out = _blocks_vec(cfg, [0], torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+        if descent:
+            self.gate.set(2, 0, 1)
+
+    def forward(self, e, ctx):
+        xs = [e, self.bwd(e, ctx, ctx.masks["tok2pre"])]
+        if self.desc is not None:
+            xs.append(self.desc(e, ctx, ctx.masks["pre2train"]))
+        return self.gate(ctx, xs)
+
+
+class SoftmaxLayer(nn.Module):
+    """The auxiliary softmax attention (§3.10) with H_soft heads: head h takes q^h (from block q_block,
+    scaled by 1/sqrt(d_a)), k^h (k_block) and v^h (B0) into its first d_a coordinates (three-pass H-split
+    maps); causal among tokens, prefix columns masked. transpose=True: the dv backward, A^T mixing the
+    values (row t uses column j iff j == t or j > t with m_j = 1)."""
+
+    def __init__(self, cfg, q_block, k_block, transpose=False, dtype=None, device=None):
+        super().__init__()
+        H = cfg.H_soft
+        self.att = TinTAttention(cfg, H, "softmax", ("dim", "split", "dim"), transpose, dtype, device)
+        d, da, D = cfg.D_s // H, cfg.head_dim, cfg.n_embd
+        cell = lambda ch: (ch // d, ch % d)  # noqa: E731
+
+        def routes(block, w):
+            return tuple((cell(block * D + h * da + i), (h, i), w) for h in range(cfg.n_head) for i in range(da))
+
+        self.att.q_map.set_routes(routes(q_block, 1 / math.sqrt(da)))
+        self.att.k_map.set_routes(routes(k_block, 1.0))
+        self.att.v_map.set_routes(routes(0, 1.0))
+        self.att.o_map.set_routes(tuple(((h, i), cell(h * da + i), 1.0) for h in range(cfg.n_head)
+                                        for i in range(da)))
+        self.gate = Gate(cfg, 2, dtype, device)
+        out = _blocks_vec(cfg, [0], torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+
+    def forward(self, e, ctx):
+        y = self.att(e, ctx, ctx.masks["causal"], ctx.masks["vgrad"] if self.att.transpose else None)
+        return self.gate(ctx, [e, y])
+
+
+class ResidualGate(nn.Module):
+    """The block-level residual connection (§3.1: the only residuals): token rows B0 = input + chain
+    output, other channels and prefix rows from the chain."""
+
+    def __init__(self, cfg, dtype=None, device=None):
+        super().__init__()
+        self.gate = Gate(cfg, 2, dtype, device)
+        self.gate.set(0, _blocks_vec(cfg, [0], torch.float64), 0)
+        self.gate.set(1, 1, 1)
+
+    def forward(self, e_in, e, ctx):
+        return self.gate(ctx, [e_in, e])
+
+
+class Seq(nn.ModuleList):
+    def forward(self, e, ctx):
+        for layer in self:
+            e = layer(e, ctx)
+        return e
+
+
+# ---------------------------------------------------------------------------- modules (§3.4 - §3.11)
+
+def _ln_forward(cfg, dt, dev):
+    """LayerNorm forward (§3.8): tap x -> BS and B_{S-1}; group-norm B0 and B_{S-1}; Linear Forward
+    (diag gamma, beta). Memory: (N(x), x) in (B_{S-1}, BS)."""
+    S = cfg.S
+    return Seq([RouteLayer(cfg, {S - 1: [(0, 1.0)], S: [(0, 1.0)]}, dt, dev), NormLayer(cfg, [0, S - 1], dt, dev),
+                LinearLayer(cfg, dt, dev)])
+
+
+def _ln_backward(cfg, dt, dev):
+    """LayerNorm backward || bias descent (§3.8): gamma * dy (Linear Backward with diag gamma) || beta -=
+    lr sum dy; then x + eps gamma dy; group norm; (N(x + eps gamma dy) - N(x)) / eps."""
+    S, eps = cfg.S, cfg.fd_eps
+    return Seq([BackwardDescentLayer(cfg, 0.0, cfg.lr, descent=cfg.bias, dtype=dt, device=dev),
+                RouteLayer(cfg, {0: [(S, 1.0), (0, eps)]}, dt, dev), NormLayer(cfg, [0], dt, dev),
+                RouteLayer(cfg, {0: [(0, 1.0 / eps), (S - 1, -1.0 / eps)]}, dt, dev)])
+
+
+def _tap(cfg, dt, dev):
+    return RouteLayer(cfg, {cfg.S: [(0, 1.0)]}, dt, dev)
+
+
+class ForwardLayer(nn.Module):
+    """The modules that simulate the forward of one auxiliary block (§3.13)."""
+
+    def __init__(self, cfg, dt, dev):
+        super().__init__()
+        S = cfg.S
+        self.ln1 = _ln_forward(cfg, dt, dev)
+        self.attn_tap = _tap(cfg, dt, dev)                       # u -> BS
+        self.qkv = LinearLayer(cfg, dt, dev)                     # one Linear Forward for Q, K and V
+        self.route_q = RouteLayer(cfg, {S - 2: [(0, 1.0)], 0: [(S, 1.0)]}, dt, dev)
+        self.route_k = RouteLayer(cfg, {S - 1: [(0, 1.0)], 0: [(S, 1.0)]}, dt, dev)
+        self.softmax = SoftmaxLayer(cfg, S - 2, S - 1, dtype=dt, device=dev)
+        self.o = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])
+        self.res_attn = ResidualGate(cfg, dt, dev)
+        self.ln2 = _ln_forward(cfg, dt, dev)
+        self.ffn_init = RouteLayer(cfg, {1: [(0, 1.0)], 2: []}, dt, dev)        # r -> B1, accumulator B2 = 0
+        self.w1 = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])           # shared by the chunks
+        self.act = Seq([_tap(cfg, dt, dev), ActLayer(cfg, dtype=dt, device=dev)])
+        self.w2 = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])
+        self.ffn_acc = RouteLayer(cfg, {2: [(2, 1.0), (0, 1.0)], 0: [(1, 1.0)]}, dt, dev)
+        self.ffn_out = RouteLayer(cfg, {0: [(2, 1.0)]}, dt, dev)
+        self.res_mlp = ResidualGate(cfg, dt, dev)
+
+
+class BackwardLayer(nn.Module):
+    """The [Backward || Descent] modules of one simulated auxiliary block (§3.13)."""
+
+    def __init__(self, cfg, dt, dev):
+        super().__init__()
+        lr = cfg.lr
+        lr_b = lr if cfg.bias else 0.0                  # bias-free models: bias descent off (§5.4 item 4)
+        self.w2 = BackwardDescentLayer(cfg, lr, lr_b * cfg.mlp_out_bias_lr_mult / cfg.n_chunks, True, dt, dev)
+        self.act = ActLayer(cfg, {0: [(cfg.S, 1.0), (0, cfg.fd_eps)], 1: [(cfg.S, 1.0)]},
+                            {0: [(0, 1.0 / cfg.fd_eps), (1, -1.0 / cfg.fd_eps)]}, dt, dev)
+        self.w1 = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
+        self.ffn_init = RouteLayer(cfg, {1: [(0, 1.0)], 2: []}, dt, dev)        # dh -> B1, accumulator B2 = 0
+        self.ffn_acc = RouteLayer(cfg, {2: [(2, 1.0), (0, 1.0)], 0: [(1, 1.0)]}, dt, dev)
+        self.ffn_out = RouteLayer(cfg, {0: [(2, 1.0)]}, dt, dev)
+        self.ln2 = _ln_backward(cfg, dt, dev)
+        self.res_mlp = ResidualGate(cfg, dt, dev)
+        self.o = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
+        self.softmax = SoftmaxLayer(cfg, cfg.S - 2, cfg.S - 1, transpose=True, dtype=dt, device=dev)
+        self.v = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
+        self.ln1 = _ln_backward(cfg, dt, dev)
+        self.res_attn = ResidualGate(cfg, dt, dev)
+
+
+# ---------------------------------------------------------------------------- prefix encoding
+
+def encode_linear(W, b, cfg):
+    """(D x D map, bias) -> K x D_s prefix contents (layout above; the bias on every row, row 0's is used)."""
+    K, S, D = cfg.K, cfg.S, cfg.n_embd
+    out = W.new_zeros(K, cfg.D_s)
+    out[:, :S * D] = W.reshape(S, K, D).permute(1, 0, 2).reshape(K, S * D)
+    if b is not None:
+        out[:, S * D:] = b
+    return out
+
+
+def decode_linear(P, cfg):
+    """(B, K, D_s) prefix contents -> W (B, D, D), b (B, D) (row 0's bias)."""
+    B, K, S, D = P.size(0), cfg.K, cfg.S, cfg.n_embd
+    W = P[:, :, :S * D].reshape(B, K, S, D).permute(0, 2, 1, 3).reshape(B, D, D)
+    return W, P[:, 0, S * D:]
+
+
+def prefix_keys(cfg):
+    keys = []
+    for i in range(cfg.n_layer):
+        keys += [(i, "ln1"), (i, "q"), (i, "k"), (i, "v"), (i, "o"), (i, "ln2")]
+        keys += [(i, "w1", c) for c in range(cfg.n_chunks)] + [(i, "w2", c) for c in range(cfg.n_chunks)]
+    return keys + [("lnf",)]
+
+
+class _Ctx:
+    def __init__(self, onehot, masks):
+        self.onehot, self.masks = onehot, masks
+
+
+class TinT(nn.Module):
+    """The TinT simulator for a GPT-2-style auxiliary GPT (§5.3).
+
+    Its parameters (`parameters()`) are the construction: they depend on the auxiliary *configuration*
+    (sizes), on lr and fd_eps, never on the auxiliary weights, which are buffers (`load_aux`). One call
+    runs, for every sequence of the batch with its own prefix rows: the auxiliary forward on all tokens,
+    the loss gradient on the training segment (declared op), the approximate backward || descent
+    through the top n_layers blocks, n_steps times, each followed by a forward of those blocks with the
+    updated prefix contents; then the LM head (declared op) on the test segment.
+    """
+
+    def __init__(self, cfg: SimConfig, dtype=torch.float32, device=None):
+        super().__init__()
+        self.cfg = cfg
+        dt, dev = dtype, device
+        self.fwd = nn.ModuleList(ForwardLayer(cfg, dt, dev) for _ in range(cfg.n_layer))
+        self.fwd_lnf = _ln_forward(cfg, dt, dev)
+        self.bwd = nn.ModuleList(BackwardLayer(cfg, dt, dev) for _ in range(cfg.n_layers))
+        self.bwd_lnf = _ln_backward(cfg, dt, dev)
+        self.keys = prefix_keys(cfg)
+        self.key_index = {k: i for i, k in enumerate(self.keys)}
+        D = cfg.n_embd
+        # auxiliary weights as data (weights-as-data, I8): not parameters, not saved with the simulator
+        self.register_buffer("prefix_bank", torch.zeros(len(self.keys), cfg.K, cfg.D_s, dtype=dt, device=dev),
+                             persistent=False)
+        self.register_buffer("wte", torch.zeros(cfg.vocab_size, D, dtype=dt, device=dev), persistent=False)
+        self.register_buffer("wpe", torch.zeros(cfg.block_size if cfg.pos == "learned" else 0, D, dtype=dt,
+                                                device=dev), persistent=False)
+        self.register_buffer("head", torch.zeros(cfg.vocab_size, D, dtype=dt, device=dev), persistent=False)
+        self.side_channel_types = (ActivationMemory, PrefixMemory)   # tests may swap in recording versions
+        self.last_prefix_memory = None
+
+    @classmethod
+    def from_model(cls, aux_model, lr, n_layers=None, n_steps=1, fd_eps=1e-3, mlp_out_bias_lr_mult=1.0, K=0,
+                   H_soft=0):
+        check_aux_model(aux_model)
+        cfg = SimConfig.from_aux(aux_model.config, lr=lr, n_layers=n_layers, n_steps=n_steps, fd_eps=fd_eps,
+                                 mlp_out_bias_lr_mult=mlp_out_bias_lr_mult, K=K, H_soft=H_soft)
+        w = aux_model.wte.weight
+        sim = cls(cfg, dtype=w.dtype, device=w.device)
+        sim.load_aux(aux_model)
+        return sim
+
+    @torch.no_grad()
+    def load_aux(self, aux_model):
+        """Copy an auxiliary model's weights into the prefix bank, embeddings and head (data, not parameters)."""
+        check_aux_model(aux_model)
+        cfg, D = self.cfg, self.cfg.n_embd
+        c = aux_model.config
+        if (c.n_embd, c.n_layer, c.n_head, c.vocab_size, c.block_size, mlp_hidden_size(c), c.bias, c.norm_eps) != \
+                (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.mlp_hidden, cfg.bias,
+                 cfg.norm_eps):
+            raise ValueError("auxiliary model does not match the simulator's configuration")
+        bank = {}
+        Fp = cfg.n_chunks * D
+        for i in range(cfg.n_layer):
+            p = layer_params(aux_model, i)
+            bank[(i, "ln1")] = encode_linear(torch.diag(p["ln1_w"]), p["ln1_b"], cfg)
+            bank[(i, "ln2")] = encode_linear(torch.diag(p["ln2_w"]), p["ln2_b"], cfg)
+            for name in ("q", "k", "v", "o"):
+                bank[(i, name)] = encode_linear(p["w" + name], p["b" + name], cfg)
+            w_up = p["w_up"].new_zeros(Fp, D)
+            w_up[: p["w_up"].size(0)] = p["w_up"]
+            w_down = p["w_down"].new_zeros(D, Fp)
+            w_down[:, : p["w_down"].size(1)] = p["w_down"]
+            b_up = None
+            if p["b_up"] is not None:
+                b_up = p["b_up"].new_zeros(Fp)
+                b_up[: p["b_up"].size(0)] = p["b_up"]
+            for ch in range(cfg.n_chunks):
+                sl = slice(ch * D, (ch + 1) * D)
+                bank[(i, "w1", ch)] = encode_linear(w_up[sl], None if b_up is None else b_up[sl], cfg)
+                # b_2 lives in chunk 0; every chunk's bias descends with lr / n_chunks: kappa = 1 (§7.4)
+                b2 = None if p["b_down"] is None else (p["b_down"] if ch == 0 else torch.zeros_like(p["b_down"]))
+                bank[(i, "w2", ch)] = encode_linear(w_down[:, sl], b2, cfg)
+        fp = final_params(aux_model)
+        bank[("lnf",)] = encode_linear(torch.diag(fp["lnf_w"]), fp["lnf_b"], cfg)
+        for k, i in self.key_index.items():
+            self.prefix_bank[i].copy_(bank[k])
+        self.wte.copy_(aux_model.wte.weight)
+        if aux_model.wpe is not None:
+            self.wpe.copy_(aux_model.wpe.weight)
+        self.head.copy_(aux_model.lm_head.weight)
+
+    # ------------------------------------------------------------------ inputs
+
+    def _context(self, B, T, m):
+        cfg, K = self.cfg, self.cfg.K
+        N, dev, dt = K + T, self.wte.device, self.wte.dtype
+        onehot = torch.zeros(N, cfg.P, dtype=dt, device=dev)
+        onehot[torch.arange(K, device=dev), cfg.block_size + torch.arange(K, device=dev)] = 1
+        onehot[K + torch.arange(T, device=dev), torch.arange(T, device=dev)] = 1
+        is_tok = torch.arange(N, device=dev) >= K
+        tok2pre = (is_tok[:, None] & ~is_tok[None, :]).to(dt)[None, None]
+        train_col = torch.cat([torch.zeros(B, K, dtype=torch.bool, device=dev), m.bool()], 1)   # (B, N)
+        pre2train = ((~is_tok)[None, :, None] & train_col[:, None, :]).to(dt)[:, None]
+        pos = torch.arange(N, device=dev)
+        causal = (is_tok[:, None] & is_tok[None, :] & (pos[None, :] <= pos[:, None])) | \
+                 (~is_tok[:, None] & ~is_tok[None, :])
+        # A^T usage: token row t, token column j: j == t or (j > t and m_j = 1)
+        vg = is_tok[:, None] & is_tok[None, :] & ((pos[None, :] == pos[:, None]) |
+                                                    (pos[None, :] > pos[:, None]))
+        vgrad = (vg[None] & ((pos[None, :] == pos[:, None])[None] | train_col[:, None, :])).to(dt)[:, None]
+        return _Ctx(onehot, {"tok2pre": tok2pre, "pre2train": pre2train, "causal": causal[None, None],
+                             "vgrad": vgrad})
+
+    # ------------------------------------------------------------------ declared ops (as the official code)
+
+    def _embed(self, idx):
+        x = self.wte[idx]
+        if self.wpe.numel():
+            x = x + self.wpe[: idx.size(1)]
+        return x
+
+    def _loss_grad(self, f, idx, c):
+        """delta f_t = c_t E^T (softmax(E f_t) - onehot(x_{t+1})) (§2.2, §3.12 declared op)."""
+        logits = f @ self.head.t()
+        target = torch.zeros_like(logits).scatter_(-1, idx.roll(-1, 1)[..., None], 1.0)
+        return c[..., None] * (torch.softmax(logits, -1) - target) @ self.head
+
+    # ------------------------------------------------------------------ the program
+
+    def _blk(self, b):
+        D = self.cfg.n_embd
+        return slice(b * D, (b + 1) * D)
+
+    def _mem_slice(self, first, last):
+        D = self.cfg.n_embd
+        return slice(first * D, (last + 1) * D)
+
+    def _prefix_in(self, e, PM, key):
+        e = e.clone()
+        e[:, : self.cfg.K] = PM.get(key)
+        return e
+
+    def _memory_in(self, e, AM, key, sl):
+        e = e.clone()
+        e[:, self.cfg.K:, sl] = AM.get(key)
+        return e
+
+    def _memory_out(self, e, AM, key, sl, record):
+        if record:
+            AM.put(key, e[:, self.cfg.K:, sl])
+
+    def _forward_block(self, i, e, ctx, AM, PM, record):
+        cfg, S, K = self.cfg, self.cfg.S, self.cfg.K
+        F_ = self.fwd[i]
+        mem_ln, mem_attn, mem_x = self._mem_slice(S - 1, S), self._mem_slice(S - 2, S), self._mem_slice(S, S)
+        e_in = e
+        e = F_.ln1(self._prefix_in(e, PM, (i, "ln1")), ctx)
+        self._memory_out(e, AM, (i, "ln1"), mem_ln, record)
+        e = F_.attn_tap(e, ctx)
+        e = F_.qkv(self._prefix_in(e, PM, (i, "q")), ctx)
+        e = F_.route_q(e, ctx)
+        e = F_.qkv(self._prefix_in(e, PM, (i, "k")), ctx)
+        e = F_.route_k(e, ctx)
+        e = F_.qkv(self._prefix_in(e, PM, (i, "v")), ctx)
+        e = F_.softmax(e, ctx)
+        self._memory_out(e, AM, (i, "attn"), mem_attn, record)
+        e = F_.o(self._prefix_in(e, PM, (i, "o")), ctx)
+        self._memory_out(e, AM, (i, "o"), mem_x, record)
+        e = F_.res_attn(e_in, e, ctx)
+        e_in = e
+        e = F_.ln2(self._prefix_in(e, PM, (i, "ln2")), ctx)
+        self._memory_out(e, AM, (i, "ln2"), mem_ln, record)
+        e = F_.ffn_init(e, ctx)
+        for c in range(cfg.n_chunks):
+            e = F_.w1(self._prefix_in(e, PM, (i, "w1", c)), ctx)
+            self._memory_out(e, AM, (i, "w1", c), mem_x, record)
+            e = F_.act(e, ctx)
+            self._memory_out(e, AM, (i, "act", c), mem_x, record)
+            e = F_.w2(self._prefix_in(e, PM, (i, "w2", c)), ctx)
+            self._memory_out(e, AM, (i, "w2", c), mem_x, record)
+            e = F_.ffn_acc(e, ctx)
+        e = F_.ffn_out(e, ctx)
+        return F_.res_mlp(e_in, e, ctx)
+
+    def _backward_block(self, i, e, ctx, AM, PM):
+        cfg, S = self.cfg, self.cfg.S
+        B_ = self.bwd[i - (cfg.n_layer - cfg.n_layers)]
+        K = cfg.K
+        mem_ln, mem_attn, mem_x = self._mem_slice(S - 1, S), self._mem_slice(S - 2, S), self._mem_slice(S, S)
+
+        def bwd_desc(module, e, key):
+            e = module(self._prefix_in(e, PM, key), ctx)
+            PM.put(key, e[:, :K])
+            return e
+
+        e_in = e
+        e = B_.ffn_init(e, ctx)
+        for c in range(cfg.n_chunks):
+            e = bwd_desc(B_.w2, self._memory_in(e, AM, (i, "w2", c), mem_x), (i, "w2", c))
+            e = B_.act(self._memory_in(e, AM, (i, "act", c), mem_x), ctx)
+            e = bwd_desc(B_.w1, self._memory_in(e, AM, (i, "w1", c), mem_x), (i, "w1", c))
+            e = B_.ffn_acc(e, ctx)
+        e = B_.ffn_out(e, ctx)
+        e = self._memory_in(e, AM, (i, "ln2"), mem_ln)
+        e = B_.ln2(self._prefix_in(e, PM, (i, "ln2")), ctx)
+        PM.put((i, "ln2"), e[:, :K])
+        e = B_.res_mlp(e_in, e, ctx)
+        e_in = e
+        e = bwd_desc(B_.o, self._memory_in(e, AM, (i, "o"), mem_x), (i, "o"))
+        e = B_.softmax(self._memory_in(e, AM, (i, "attn"), mem_attn), ctx)
+        e = bwd_desc(B_.v, e, (i, "v"))                  # u is in BS (attention memory)
+        e = self._memory_in(e, AM, (i, "ln1"), mem_ln)
+        e = B_.ln1(self._prefix_in(e, PM, (i, "ln1")), ctx)
+        PM.put((i, "ln1"), e[:, :K])
+        return B_.res_attn(e_in, e, ctx)
+
+    @torch.no_grad()
+    def forward(self, idx, n_train, label_mask=None, return_all_logits=False):
+        """idx (B, T) -> test-segment logits (B, T - n_train, V) after the in-forward update."""
+        cfg, K, D = self.cfg, self.cfg.K, self.cfg.n_embd
+        B, T = idx.shape
+        if T > cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds block_size={cfg.block_size}")
+        m, c = make_masks(idx, n_train, label_mask)
+        m, c = m.to(self.wte.dtype), c.to(self.wte.dtype)
+        ctx = self._context(B, T, m)
+        AM_t, PM_t = self.side_channel_types
+        AM, PM = AM_t(), PM_t()
+        for key, i in self.key_index.items():          # per-sequence copy of the auxiliary weights
+            PM.put(key, self.prefix_bank[i].expand(B, -1, -1))
+        start = cfg.n_layer - cfg.n_layers
+        S, B0 = cfg.S, self._blk(0)
+        mem_ln = self._mem_slice(S - 1, S)
+
+        def fresh(x):
+            e = x.new_zeros(B, K + T, cfg.D_s)
+            e[:, K:, B0] = x
+            return e
+
+        e = fresh(self._embed(idx))
+        for i in range(cfg.n_layer):
+            if i == start:
+                AM.put(("input",), e[:, K:, B0])
+            e = self._forward_block(i, e, ctx, AM, PM, record=i >= start)
+        e = self.fwd_lnf(self._prefix_in(e, PM, ("lnf",)), ctx)
+        AM.put(("lnf",), e[:, K:, mem_ln])
+        for _ in range(cfg.n_steps):
+            e = e.clone()
+            e[:, K:, B0] = self._loss_grad(e[:, K:, B0], idx, c)
+            e = self._memory_in(e, AM, ("lnf",), mem_ln)
+            e = self.bwd_lnf(self._prefix_in(e, PM, ("lnf",)), ctx)
+            PM.put(("lnf",), e[:, :K])
+            for i in reversed(range(start, cfg.n_layer)):
+                e = self._backward_block(i, e, ctx, AM, PM)
+            e = fresh(AM.get(("input",)))
+            for i in range(start, cfg.n_layer):
+                e = self._forward_block(i, e, ctx, AM, PM, record=True)
+            e = self.fwd_lnf(self._prefix_in(e, PM, ("lnf",)), ctx)
+            AM.put(("lnf",), e[:, K:, mem_ln])
+        self.last_prefix_memory = PM
+        logits = e[:, K:, B0] @ self.head.t()
+        return logits if return_all_logits else logits[:, n_train - 1: T - 1]
+
+    # ------------------------------------------------------------------ read-back
+
+    def updated_weights(self):
+        """The auxiliary weights after the last call, decoded from the PrefixMemory: (layers, final, start)
+        in tint_update's format (per-sequence tensors)."""
+        cfg, PM = self.cfg, self.last_prefix_memory
+        D, Fh = cfg.n_embd, cfg.mlp_hidden
+        start = cfg.n_layer - cfg.n_layers
+        dec = lambda key: decode_linear(PM.get(key), cfg)  # noqa: E731
+        layers = []
+        for i in range(start, cfg.n_layer):
+            p = {}
+            for name in ("q", "k", "v", "o"):
+                p["w" + name], p["b" + name] = dec((i, name))
+            for ln, key in (("ln1", (i, "ln1")), ("ln2", (i, "ln2"))):
+                W, b = dec(key)
+                p[ln + "_w"], p[ln + "_b"] = torch.diagonal(W, dim1=1, dim2=2), b
+            ups = [dec((i, "w1", c)) for c in range(cfg.n_chunks)]
+            downs = [dec((i, "w2", c)) for c in range(cfg.n_chunks)]
+            p["w_up"] = torch.cat([w for w, _ in ups], 1)[:, :Fh]
+            p["b_up"] = torch.cat([b for _, b in ups], 1)[:, :Fh]
+            p["w_down"] = torch.cat([w for w, _ in downs], 2)[:, :, :Fh]
+            p["b_down"] = sum(b for _, b in downs)
+            if not cfg.bias:
+                for k in ("bq", "bk", "bv", "bo", "ln1_b", "ln2_b", "b_up", "b_down"):
+                    p[k] = None
+            p["w_gate"] = p["b_gate"] = None
+            layers.append(p)
+        W, b = dec(("lnf",))
+        final = {"lnf_w": torch.diagonal(W, dim1=1, dim2=2), "lnf_b": b if cfg.bias else None}
+        return layers, final, start
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+
+# ============================================================================ parameter accounting
+
+def tint_param_formula(cfg: SimConfig):
+    """Exact parameter count of our construction, per primitive (I10). Returns a dict with the parts
+    and "total"."""
+    D_s, H, K, P, S = cfg.D_s, cfg.H_L, cfg.K, cfg.P, cfg.S
+    Hs, ds = cfg.H_soft, cfg.D_s // cfg.H_soft
+    dim = K * H * H                                        # one "dim" H-split stage on the H_L x K grid
+    gate = lambda n: P + 2 * n * D_s                       # noqa: E731
+    lin_attn = 4 * dim + 3 * P * K + 3 * H                 # 4 maps + 3 position maps + lambda gates
+    route = dim + gate(2)
+    linear = lin_attn + gate(2)
+    bwd_desc = 2 * lin_attn + gate(3)
+    bwd_only = lin_attn + gate(2)
+    norm = gate(2)
+    act_fwd = gate(2)
+    act_bwd = 2 * dim + gate(2)
+    softmax = 4 * (2 * ds * Hs * Hs + Hs * ds * ds) + 3 * P * ds + 3 * Hs + gate(2)
+    residual = gate(2)
+    ln_fwd = route + norm + linear
+    ln_bwd = (bwd_desc if cfg.bias else bwd_only) + 2 * route + norm
+    fwd_layer = (2 * ln_fwd + route + linear + 2 * route + softmax + (route + linear) + residual
+                 + route + (route + linear) + (route + act_fwd) + (route + linear) + 2 * route + residual)
+    bwd_layer = (bwd_desc + act_bwd + bwd_desc + 3 * route + ln_bwd + residual
+                 + bwd_desc + softmax + bwd_desc + ln_bwd + residual)
+    forward = cfg.n_layer * fwd_layer + ln_fwd
+    backward = cfg.n_layers * bwd_layer + ln_bwd
+    return {"forward_per_layer": fwd_layer, "backward_descent_per_layer": bwd_layer, "forward": forward,
+            "backward_descent": backward, "total": forward + backward}
+
+
+def paper_param_formula(D_aux, n_layer, T_aux, H_sim=12, K=None, D_sim=None):
+    """The paper's Table 1 formula (§3.15): Q_split = D_s^2 / H + H D_s, Q = 4 Q_split + 3 T_sim D_s / H,
+    T_sim = T_aux + K, K = D / 4, D_s = 4 D. Biases ignored."""
+    K = D_aux // 4 if K is None else K
+    D_s = 4 * D_aux if D_sim is None else D_sim
+    T_sim = T_aux + K
+    Q_split = D_s * D_s / H_sim + H_sim * D_s
+    Q = 4 * Q_split + 3 * T_sim * D_s / H_sim
+    fwd = 7 * Q * n_layer + n_layer * Q_split
+    bwd = (7 * Q + 6 * D_s * H_sim) * n_layer
+    desc = 7 * Q * n_layer
+    return {"Q_split": Q_split, "Q": Q, "forward": fwd, "backward": bwd, "descent": desc,
+            "total": fwd + bwd + desc}

@@ -1,0 +1,116 @@
+"""train.py end to end on the bundled corpus: exact resume, torchrun (gloo) == gradient
+accumulation, NaN stop, clear config errors; then sample.py and eval.py on the checkpoint."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["size=tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.head_dim=16",
+        "train.seq_len=32", "train.micro_batch_size=4", "train.log_interval=1",
+        "train.eval_interval=1000", "train.eval_tokens=256", "train.sample_tokens=0",
+        "optim.warmup_steps=2", "WANDB_MODE=disabled"]
+
+
+def run(script, args, *, torchrun=0, check=True):
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    args = [a for a in args if not a.startswith("WANDB_MODE")]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                 f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable])
+    proc = subprocess.run(launcher + [script] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def train_losses(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("run"))
+    run("train.py", TINY + [f"train.out_dir={out}", "train.max_steps=6", "train.ckpt_interval=3",
+                            "train.keep_last=5", "train.global_batch_tokens=256", "train.eval_interval=3"])
+    return out
+
+
+def test_training_writes_checkpoints_and_metrics(trained_run):
+    assert sorted(os.listdir(trained_run)) == ["ckpt_3.pt", "ckpt_6.pt", "config.yaml", "metrics.jsonl"]
+    losses = train_losses(trained_run)
+    assert sorted(losses) == [1, 2, 3, 4, 5, 6]
+    with open(os.path.join(trained_run, "metrics.jsonl")) as f:
+        assert any("val_loss" in json.loads(line) for line in f)
+
+
+def test_resume_reproduces_uninterrupted_losses_exactly(trained_run, tmp_path):
+    """Drop the last checkpoint, resume from step 3: steps 4..6 give bit-identical losses."""
+    out = str(tmp_path / "resumed")
+    shutil.copytree(trained_run, out)
+    os.remove(os.path.join(out, "ckpt_6.pt"))
+    os.remove(os.path.join(out, "metrics.jsonl"))
+    proc = run("train.py", TINY + [f"train.out_dir={out}", "train.max_steps=6", "train.ckpt_interval=3",
+                                   "train.keep_last=5", "train.global_batch_tokens=256",
+                                   "train.eval_interval=3"])
+    assert "resuming at step 3" in proc.stdout
+    resumed, full = train_losses(out), train_losses(trained_run)
+    assert sorted(resumed) == [4, 5, 6]
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+
+
+@pytest.mark.distributed
+def test_torchrun_two_ranks_matches_gradient_accumulation(tmp_path):
+    common = TINY + ["train.max_steps=3", "train.global_batch_tokens=256", "train.ckpt_interval=100"]
+    run("train.py", common + [f"train.out_dir={tmp_path / 'one'}"])                 # accumulation 2
+    run("train.py", common + [f"train.out_dir={tmp_path / 'two'}"], torchrun=2)     # 2 ranks x 1
+    one, two = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(one) == sorted(two) == [1, 2, 3]
+    for step in one:
+        assert abs(one[step] - two[step]) < 1e-4 * abs(one[step]), (one, two)
+
+
+def test_sample_script_streams_text(trained_run):
+    proc = run("sample.py", [f"ckpt={trained_run}", "prompt=The river", "max_new_tokens=12",
+                             "temperature=0"])
+    assert "The river" in proc.stdout and len(proc.stdout.split("---")[-1].strip()) > len("The river")
+
+
+def test_eval_script_writes_results(trained_run):
+    run("eval.py", [f"ckpt={trained_run}", "eval.val_tokens=512", "eval.batch_size=2"])
+    with open(os.path.join(trained_run, "results.json")) as f:
+        results = json.load(f)
+    assert results["attention"] == "baseline"
+    assert 0 < results["heldout"]["loss"] < 11.5 and results["heldout"]["perplexity"] > 1
+
+
+def test_missing_checkpoint_is_a_clear_error(tmp_path):
+    proc = run("sample.py", [f"ckpt={tmp_path / 'nothing'}"], check=False)
+    assert proc.returncode != 0 and "does not exist" in proc.stderr
+
+
+def test_checkpoint_from_another_model_is_refused(trained_run, tmp_path):
+    out = str(tmp_path / "other")
+    shutil.copytree(trained_run, out)
+    proc = run("train.py", TINY + [f"train.out_dir={out}", "model.n_layer=3", "train.max_steps=8",
+                                   "train.global_batch_tokens=256"], check=False)
+    assert proc.returncode != 0 and "another model" in proc.stderr and "n_layer" in proc.stderr
+
+
+def test_indivisible_batch_is_a_clear_error(tmp_path):
+    proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.global_batch_tokens=100"],
+               check=False)
+    assert proc.returncode != 0 and "global_batch_tokens" in proc.stderr
+
+
+def test_nan_loss_stops_and_names_the_step(tmp_path):
+    proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "optim.lr=1e12", "optim.warmup_steps=1",
+                                   "optim.grad_clip=1e30", "train.max_steps=30",
+                                   "train.global_batch_tokens=128"], check=False)
+    assert proc.returncode != 0 and "non-finite" in proc.stderr and "at step" in proc.stderr
