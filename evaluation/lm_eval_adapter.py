@@ -1,0 +1,342 @@
+"""lm-evaluation-harness on this repo's checkpoints: the model adapter, the papers' presets, offline tasks.
+
+    python eval.py ckpt=RUN eval.tasks=[lm_eval] lm_eval.preset=castle      # CASTLE Tables 2-3 (0 and 5 shots)
+    python eval.py ckpt=RUN eval.tasks=[lm_eval] lm_eval.preset=fox         # FoX Table 1 (zero-shot)
+    python eval.py ckpt=RUN eval.tasks=[lm_eval] lm_eval.preset=longbench   # FoX Table 2 (needs the Hub)
+    python eval.py ckpt=RUN eval.tasks=[lm_eval] lm_eval.tasks=[hellaswag] lm_eval.limit=100
+    python eval.py ckpt=RUN eval.tasks=[lm_eval] lm_eval.tasks=[my_task] lm_eval.include_path=my_tasks/
+
+`GPTLM` scores with the model's own forward pass and generates with its own cache
+(`GPT.generate_stream`), so every attention variant goes through it unchanged. Without the
+Hugging Face Hub the tasks run from the local copies in ../shared/data/eval as `local_<task>`
+(evaluation/tasks/; its README.md lists how they differ from the official tasks).
+"""
+import os
+import shutil
+import tempfile
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import lm_eval.tasks
+import torch
+import torch.nn.functional as F
+import yaml
+from lm_eval import simple_evaluate
+from lm_eval.api.model import TemplateLM
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
+from tqdm import tqdm
+
+from data.tokenizer import get_tokenizer
+from evaluation import evaluation
+
+REPO = Path(__file__).resolve().parents[1]
+TASKS_DIR = Path(__file__).resolve().parent / "tasks"
+LM_EVAL_TASKS = Path(lm_eval.tasks.__file__).resolve().parent
+DEFAULT_DATA_ROOT = REPO.parent / "shared" / "data" / "eval"
+LOCAL_TASKS = ("arc_challenge", "arc_easy", "boolq", "hellaswag", "lambada_openai", "mmlu", "openbookqa",
+               "piqa", "wikitext", "winogrande")     # official names with a copy in evaluation/tasks
+
+
+class GPTLM(TemplateLM):
+    """lm-eval's model interface over a `model.gpt.GPT`.
+
+    Every context starts with <|endoftext|> when add_bos is on, as every training document does.
+    Sequences longer than max_length keep their last max_length tokens. Loglikelihood requests
+    are sorted longest first and packed into right-padded batches of at most batch_tokens tokens
+    (right padding never changes a causal model's logits at the real positions). Generation runs
+    one request at a time through the model's own cache; truncation="middle" keeps the two ends
+    of a long prompt (LongBench), first_line=True keeps the first non-empty line (FoX's scorer).
+    """
+
+    def __init__(self, model, tokenizer, max_length=None, batch_tokens=16384, add_bos=True,
+                 max_gen_toks=256, truncation="left", first_line=False):
+        super().__init__()
+        self.model, self.tokenizer = model, tokenizer
+        self.max_length = max_length or model.config.block_size
+        self.batch_tokens, self.add_bos, self.max_gen_toks = batch_tokens, add_bos, max_gen_toks
+        self.truncation, self.first_line = truncation, first_line
+        self._device = next(model.parameters()).device
+
+    @property
+    def eot_token_id(self):
+        return self.tokenizer.eot_token
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        ids = self.tokenizer.encode_ordinary(string)
+        bos = self.add_bos if add_special_tokens is None else add_special_tokens
+        return [self.eot_token_id] + ids if bos else ids
+
+    # ------------------------------------------------------------------------- scoring
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False, **kwargs):
+        """[(key, context ids, continuation ids)] -> [(sum of continuation log-probs, is greedy)]."""
+        rows, n_cont = [], []
+        for _, context, continuation in requests:
+            if len(continuation) > self.max_length:
+                raise ValueError(f"continuation of {len(continuation)} tokens does not fit max_length={self.max_length}")
+            rows.append((context + continuation)[-(self.max_length + 1):])   # inputs are rows[:-1]
+            n_cont.append(len(continuation))
+        results = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+        with tqdm(total=len(rows), desc="loglikelihood", disable=disable_tqdm) as bar:
+            for batch in self._batches(order, rows):
+                for i, result in zip(batch, self._score([rows[i] for i in batch], [n_cont[i] for i in batch])):
+                    results[i] = result
+                bar.update(len(batch))
+        return results
+
+    def _batches(self, order, rows):
+        """Consecutive slices of `order` (longest first) with at most batch_tokens padded tokens."""
+        batch = []
+        for i in order:
+            if batch and (len(batch) + 1) * (len(rows[batch[0]]) - 1) > self.batch_tokens:
+                yield batch
+                batch = []
+            batch.append(i)
+        if batch:
+            yield batch
+
+    @torch.no_grad()
+    def _score(self, rows, n_cont):
+        idx = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
+        for b, row in enumerate(rows):
+            idx[b, :len(row) - 1] = torch.tensor(row[:-1])
+        logits, _ = self.model(idx.to(self.device))
+        scores = []
+        for b, (row, n) in enumerate(zip(rows, n_cont)):
+            end = len(row) - 1          # logits[end - n:end] predict the n continuation tokens
+            logp = F.log_softmax(logits[b, end - n:end].float(), dim=-1)
+            target = torch.tensor(row[len(row) - n:], device=logp.device)
+            scores.append(torch.stack([logp.gather(-1, target[:, None]).sum(),
+                                       (logp.argmax(-1) == target).all().float()]))
+        return [(ll, bool(greedy)) for ll, greedy in torch.stack(scores).tolist()]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """Log-likelihood of whole texts in disjoint windows of max_length tokens; the first
+        window is conditioned on <|endoftext|>, later ones on the window before them."""
+        windows, owner = [], []
+        for i, request in enumerate(requests):
+            tokens = self.tok_encode(request.args[0], add_special_tokens=False)
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    tokens, self.prefix_token_id, self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (ll, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[i] += ll
+        return totals
+
+    # ------------------------------------------------------------------------- generation
+
+    def generate_until(self, requests, disable_tqdm=False):
+        return [self._generate(*request.args) for request in tqdm(requests, desc="generate", disable=disable_tqdm)]
+
+    def _generate(self, context, gen_kwargs):
+        kwargs = dict(gen_kwargs)
+        until = kwargs.get("until") or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_new = kwargs.get("max_gen_toks", self.max_gen_toks)
+        if max_new >= self.max_length:
+            raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in max_length={self.max_length}")
+        temperature = kwargs.get("temperature", 1.0) if kwargs.get("do_sample") else 0.0
+        prompt = self._truncate(self.tok_encode(context), self.max_length - max_new)
+        new = []
+        for token in self.model.generate_stream(torch.tensor([prompt], device=self.device), max_new,
+                                                temperature=temperature, top_k=kwargs.get("top_k"),
+                                                top_p=kwargs.get("top_p"), eot_token=self.eot_token_id):
+            if token.item() == self.eot_token_id:
+                break
+            new.append(token.item())
+            if self._stop(self.tokenizer.decode(new), until):
+                break
+        return self._cut(self.tokenizer.decode(new), until)
+
+    def _truncate(self, ids, budget):
+        if len(ids) <= budget:
+            return ids
+        if self.truncation == "middle":
+            head = budget // 2
+            return ids[:head] + ids[len(ids) - (budget - head):]
+        return ids[len(ids) - budget:]
+
+    def _stop(self, text, until):
+        return any(s in text for s in until) or (self.first_line and "\n" in text.lstrip("\n"))
+
+    def _cut(self, text, until):
+        for s in until:
+            text = text.split(s)[0]
+        return text.lstrip("\n").split("\n")[0] if self.first_line else text
+
+
+# ----------------------------------------------------------------------------- presets
+
+@dataclass(frozen=True)
+class Preset:
+    """A paper's table: columns (title, official lm-eval task, metric), shots, generation settings."""
+    columns: tuple
+    shots: tuple = (0,)
+    average: bool = True          # Avg = plain mean of the non-perplexity columns, in %
+    truncation: str = "left"
+    first_line: bool = False
+
+
+LONGBENCH = (("NarrativeQA", "narrativeqa"), ("Qasper", "qasper"), ("MFQA", "multifieldqa_en"),
+             ("HotpotQA", "hotpotqa"), ("2WikiMQA", "2wikimqa"), ("Musique", "musique"),
+             ("GovReport", "gov_report"), ("QMSum", "qmsum"), ("MultiNews", "multi_news"), ("TREC", "trec"),
+             ("TriviaQA", "triviaqa"), ("SamSum", "samsum"), ("LCC", "lcc"), ("RepoBench-P", "repobench-p"))
+
+PRESETS = {
+    # castle.md §5.6: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for the rest; 0- and 5-shot
+    "castle": Preset(shots=(0, 5), columns=(
+        ("ARC-C", "arc_challenge", "acc_norm"), ("ARC-E", "arc_easy", "acc"), ("BoolQ", "boolq", "acc"),
+        ("Hella.", "hellaswag", "acc_norm"), ("MMLU", "mmlu", "acc"), ("OBQA", "openbookqa", "acc_norm"),
+        ("PIQA", "piqa", "acc_norm"), ("Wino.", "winogrande", "acc"))),
+    # fox.md §4.3, Table 1 (zero-shot); Avg over the 10 accuracy columns
+    "fox": Preset(columns=(
+        ("Wiki. ppl", "wikitext", "word_perplexity"), ("LMB. ppl", "lambada_openai", "perplexity"),
+        ("LMB. acc", "lambada_openai", "acc"), ("PIQA", "piqa", "acc"), ("Hella.", "hellaswag", "acc_norm"),
+        ("Wino.", "winogrande", "acc"), ("ARC-e", "arc_easy", "acc"), ("ARC-c", "arc_challenge", "acc_norm"),
+        ("COPA", "copa", "acc"), ("OBQA", "openbookqa", "acc_norm"), ("SciQA", "sciq", "acc"),
+        ("BoolQ", "boolq", "acc"))),
+    # fox.md §4.4, Table 2: prompts cut in the middle, predictions cut at their first line
+    "longbench": Preset(columns=tuple((title, f"longbench_{name}", "score") for title, name in LONGBENCH),
+                        average=False, truncation="middle", first_line=True),
+}
+
+
+def paper_row(preset, results):
+    """{column title: value} in the papers' units (accuracy in %, perplexity as is) plus Avg.
+
+    `results` is the harness's results dict; a column reads the official task or its local_ copy.
+    """
+    row = {}
+    for title, task, metric in preset.columns:
+        found = [results[t][f"{metric},none"] for t in (task, f"local_{task}") if f"{metric},none" in results.get(t, {})]
+        row[title] = None if not found else found[0] if "perplexity" in metric else 100 * found[0]
+    if preset.average:
+        accuracies = [row[title] for title, _, metric in preset.columns if "perplexity" not in metric]
+        row["Avg"] = None if None in accuracies else sum(accuracies) / len(accuracies)
+    return row
+
+
+# ----------------------------------------------------------------------------- local tasks
+
+def data_root(setting=None):
+    """Where the local benchmark copies live: the setting, else $EVAL_DATA_ROOT, else ../shared/data/eval."""
+    return Path(setting or os.environ.get("EVAL_DATA_ROOT") or DEFAULT_DATA_ROOT).expanduser().resolve()
+
+
+def write_local_tasks(dest, root):
+    """Copy evaluation/tasks to dest with ${EVAL_DATA} and ${LM_EVAL_TASKS} filled in, and write one
+    local_mmlu_<subject> task per subject of the installed lm-eval's MMLU. Returns dest."""
+    dest = Path(dest)
+    shutil.copytree(TASKS_DIR, dest, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
+    for path in dest.rglob("*.yaml"):
+        path.write_text(path.read_text().replace("${EVAL_DATA}", str(root)).replace("${LM_EVAL_TASKS}", str(LM_EVAL_TASKS)))
+    for official in sorted((LM_EVAL_TASKS / "mmlu" / "default").glob("mmlu_*.yaml")):
+        subject = official.stem.removeprefix("mmlu_")
+        files = {split: str(root / "mmlu" / "hf_arrow" / subject / split / "data-00000-of-00001.arrow")
+                 for split in ("dev", "test")}
+        task = {"include": str(official), "task": f"local_mmlu_{subject}", "tag": "local_mmlu_tasks",
+                "dataset_path": "arrow", "dataset_name": None, "dataset_kwargs": {"data_files": files}}
+        (dest / "mmlu" / f"local_mmlu_{subject}.yaml").write_text(yaml.safe_dump(task))
+    return dest
+
+
+def hub_reachable(timeout=3.0):
+    if os.environ.get("HF_HUB_OFFLINE", "0") != "0" or os.environ.get("HF_DATASETS_OFFLINE", "0") != "0":
+        return False
+    try:
+        urllib.request.urlopen("https://huggingface.co", timeout=timeout)
+        return True
+    except OSError:
+        return False
+
+
+def use_local_copies(offline, root):
+    """offline: true | false | "auto" (local copies when the data root exists and the Hub does not answer)."""
+    if offline == "auto":
+        return root.is_dir() and not hub_reachable()
+    return bool(offline)
+
+
+def select_tasks(preset, tasks, local):
+    """Task names to run, and {name: reason} for preset tasks that have no local copy when offline."""
+    names = list(dict.fromkeys([task for _, task, _ in preset.columns] if preset else []))
+    names += [t for t in ([tasks] if isinstance(tasks, str) else tasks or []) if t not in names]
+    if not local:
+        return names, {}
+    preset_tasks = {task for _, task, _ in preset.columns} if preset else set()
+    skipped = {n: "no local copy; run with the Hugging Face Hub reachable (lm_eval.offline=false)"
+               for n in names if n in preset_tasks and n not in LOCAL_TASKS}
+    return [f"local_{n}" if n in LOCAL_TASKS else n for n in names if n not in skipped], skipped
+
+
+def load_tasks(task_manager, names):
+    """Task/Group objects for `names`; a task whose data cannot be fetched is reported, not fatal
+    (local_ tasks must always load: their failure is a bug)."""
+    unknown = [n for n in names if n not in task_manager.all_tasks and not os.path.isfile(n)]
+    if unknown:
+        raise ValueError(f"unknown lm-eval task(s) {unknown}: not in lm-eval, evaluation/tasks or lm_eval.include_path")
+    objects, skipped = [], {}
+    for name in names:
+        try:
+            loaded = task_manager.load([name])
+        except Exception as e:          # dataset download failed: no network, moved or gated data
+            if name.startswith("local_"):
+                raise
+            skipped[name] = f"could not load its data ({type(e).__name__}: {e})"
+            continue
+        objects += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+    return objects, skipped
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+def tokenizer_for(train_cfg):
+    """The tokenizer the checkpoint was trained with (gpt2, or gpt2_json for LongCrawl64)."""
+    return get_tokenizer(train_cfg.get("data", {}).get("tokenizer", "gpt2"))
+
+
+@evaluation("lm_eval")
+def run_lm_eval(model, ctx):
+    """Run a preset and/or lm_eval.tasks; returns {preset or "tasks": {"<k>-shot": harness results}}."""
+    c = ctx.cfg.lm_eval
+    if not c.preset and not c.tasks:
+        raise ValueError("eval.tasks has lm_eval but nothing to run: set lm_eval.preset=castle|fox|longbench "
+                         "or lm_eval.tasks=[...]")
+    if c.preset and c.preset not in PRESETS:
+        raise ValueError(f"lm_eval.preset={c.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+    preset = PRESETS[c.preset] if c.preset else None
+    root = data_root(c.data_root)
+    local = use_local_copies(c.offline, root)
+    lm = GPTLM(model, tokenizer_for(ctx.train_cfg), max_length=c.max_length, batch_tokens=c.batch_tokens,
+               add_bos=c.add_bos, max_gen_toks=c.max_gen_toks,
+               truncation=preset.truncation if preset else "left", first_line=bool(preset and preset.first_line))
+    names, skipped = select_tasks(preset, c.tasks, local)
+    shots = [c.num_fewshot] if c.num_fewshot is not None else list(preset.shots) if preset else [None]
+    out = {"settings": {"local_copies": local, "data_root": str(root) if local else None, "max_length": lm.max_length,
+                        "add_bos": lm.add_bos, "limit": c.limit, "tasks": names}}
+    with tempfile.TemporaryDirectory() as tmp:
+        include = [str(write_local_tasks(tmp, root))] + ([str(c.include_path)] if c.include_path else [])
+        task_manager = lm_eval.tasks.TaskManager(include_path=include)
+        for k in shots:
+            objects, not_loaded = load_tasks(task_manager, names)   # fresh tasks: num_fewshot sticks to a task
+            skipped.update(not_loaded)
+            if objects:
+                out[f"{k}-shot" if k is not None else "task-default-shots"] = harness_run(lm, objects, k, c, task_manager, preset)
+    for name, reason in skipped.items():
+        print(f"lm_eval: skipped {name}: {reason}")
+    out["skipped"] = skipped
+    return {c.preset or "tasks": out}
+
+
+def harness_run(lm, objects, num_fewshot, c, task_manager, preset):
+    res = simple_evaluate(model=lm, tasks=objects, num_fewshot=num_fewshot, limit=c.limit, task_manager=task_manager,
+                          bootstrap_iters=c.bootstrap_iters, log_samples=False)
+    print(make_table(res))
+    run = {key: res[key] for key in ("results", "groups", "n-shot", "n-samples", "versions") if key in res}
+    if preset:
+        run["table"] = paper_row(preset, res["results"])
+    return run

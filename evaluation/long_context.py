@@ -1,0 +1,115 @@
+"""Per-token loss L(i) and perplexity P(l) on held-out sequences (fox.md §4.1), past the training context too.
+
+    python eval.py ckpt=RUN eval.tasks=[long_context] long_context.seq_len=65536 long_context.num_seqs=512
+    python scripts/plot_long_context.py runs/fox runs/baseline --out long_context.png    # overlay runs
+
+L(i) is the mean over M held-out sequences of -log p(token i), summed in float64; P(l) =
+exp(mean of L(1..l)) from the unsmoothed L. Plots smooth L with a centred moving average (101
+tokens, averaging over the part of the window inside the sequence at the edges). Every sequence is
+read in one forward pass of seq_len tokens: no sliding window. Writes long_context.csv (position,
+loss, smoothed loss) and long_context.png next to results.json.
+"""
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from data.loader import build_loader
+from evaluation import evaluation
+
+
+@torch.no_grad()
+def per_token_loss(model, batches, device):
+    """Mean loss at every position over the (x, y) batches: (T,) float64 array, and the sequence count."""
+    total, count = None, 0
+    for x, y in batches:
+        logits, _ = model(x.to(device))
+        summed = token_losses(logits, y.to(device)).double().sum(0)
+        total = summed if total is None else total + summed
+        count += x.size(0)
+    return (total / count).cpu().numpy(), count
+
+
+def token_losses(logits, targets, chunk=4096):
+    """(B, T, V) logits, (B, T) targets -> (B, T) float32 losses; float32 copies of `chunk` positions at a time."""
+    return torch.cat([F.cross_entropy(logits[:, s:s + chunk].float().transpose(1, 2), targets[:, s:s + chunk],
+                                      reduction="none") for s in range(0, targets.size(1), chunk)], dim=1)
+
+
+def smooth(values, window):
+    """Centred moving average; at the edges the mean over the part of the window that exists."""
+    half = window // 2
+    sums = np.concatenate([[0.0], np.cumsum(values)])
+    i = np.arange(len(values))
+    lo, hi = np.maximum(i - half, 0), np.minimum(i + half + 1, len(values))
+    return (sums[hi] - sums[lo]) / (hi - lo)
+
+
+def perplexity_by_length(losses, min_len):
+    """{l: P(l)} for l = T, T/2, T/4, ... >= min_len (just T when T < min_len)."""
+    lengths, l = [], len(losses)
+    while l >= min_len or not lengths:
+        lengths.append(l)
+        l //= 2
+    return {l: math.exp(float(np.mean(losses[:l]))) for l in lengths}
+
+
+def write_csv(path, losses, smoothed):
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["position", "loss", "loss_smoothed"])
+        writer.writerows((i + 1, f"{a:.6f}", f"{b:.6f}") for i, (a, b) in enumerate(zip(losses, smoothed)))
+
+
+def read_csv(path):
+    """long_context.csv (or the run directory holding it) -> (positions, losses) arrays."""
+    path = Path(path)
+    data = np.loadtxt(path / "long_context.csv" if path.is_dir() else path, delimiter=",", skiprows=1)
+    return data[:, 0], data[:, 1]
+
+
+def plot_curves(curves, png, window, train_len=None):
+    """curves: {label: (positions, raw losses)}; overlays the smoothed L(i); a dashed line at train_len."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, (positions, losses) in curves.items():
+        ax.plot(positions, smooth(losses, window), label=label, lw=1)
+    if train_len:
+        ax.axvline(train_len, ls="--", c="gray", lw=0.8, label=f"training context ({train_len})")
+    ax.set(xlabel="token position i", ylabel=f"per-token loss L(i), {window}-token moving average")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.savefig(png, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+def sequence_length(model, c, data_cfg, train_len):
+    """long_context.seq_len, else the data's val_seq_len, else 4x the training context; a model with
+    learned positions stops at its block_size."""
+    T = c.seq_len or data_cfg.get("val_seq_len") or 4 * train_len
+    if model.config.pos == "learned" and T > model.config.block_size:
+        print(f"long_context: learned positions end at {model.config.block_size}; seq_len {T} -> {model.config.block_size}")
+        T = model.config.block_size
+    return T
+
+
+@evaluation("long_context")
+def long_context(model, ctx):
+    c = ctx.cfg.long_context
+    train_len = ctx.train_cfg["train"]["seq_len"]
+    T = sequence_length(model, c, ctx.data_cfg, train_len)
+    loader = build_loader(ctx.data_cfg, "val", c.batch_size, T)
+    batches = (loader.next_batch() for _ in range(math.ceil(c.num_seqs / c.batch_size)))
+    losses, count = per_token_loss(model, batches, ctx.device)
+    out = Path(ctx.out_dir)
+    write_csv(out / "long_context.csv", losses, smooth(losses, c.smooth))
+    label = f"{ctx.train_cfg['model']['attention']} ({Path(ctx.ckpt_path).parent.name})"
+    plot_curves({label: (np.arange(1, T + 1), losses)}, out / "long_context.png", c.smooth, train_len)
+    return {"seq_len": T, "num_seqs": count, "train_seq_len": train_len, "loss": float(losses.mean()),
+            "perplexity": {str(l): p for l, p in perplexity_by_length(losses, c.min_len).items()},
+            "csv": str(out / "long_context.csv"), "png": str(out / "long_context.png")}

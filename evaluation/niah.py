@@ -1,0 +1,133 @@
+"""Needle in a haystack (fox.md §4.2): find one sentence hidden at some depth of a long text.
+
+    python eval.py ckpt=RUN eval.tasks=[niah]                                  # easy + standard, 11 x 11
+    python eval.py ckpt=RUN eval.tasks=[niah] niah.lengths=[2000,4000] niah.depths=[0,50,100]
+
+Prompts follow the FoX paper: the needle sentence (standard mode) or question + needle (easy
+mode) inserted at a depth of the haystack, moved back to just after the nearest preceding "."
+token (at the end for 100%); 200 tokens kept free for the question; <|endoftext|> first. Lengths
+count the model's own tokens (JSON-escaped GPT-2 for LongCrawl64 models). Two deliberate
+differences: the haystack is the ELTeC novels of ../shared/data/books (in file-name order) instead
+of Paul Graham's essays, and the prompt is assembled from token ids, so every depth of one length
+has the same token count. Scoring is offline and NOT the paper's GPT-4o judge: a prompt passes when
+the greedy continuation contains the needle's answer verbatim; the heatmap shows 10 for a pass and
+1 for a fail on the paper's 1-10 scale (fox.md §8.3). Writes niah_<mode>.json and niah_<mode>.png.
+"""
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.sample.tei_to_text import tei_to_text
+from evaluation import evaluation
+from evaluation.lm_eval_adapter import REPO, tokenizer_for
+
+QUESTION = "What is the best thing to do in San Francisco?"
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day"
+NEEDLES = {"standard": f"\n{NEEDLE}\n", "easy": f"\n{QUESTION} Answer: {NEEDLE}\n"}
+PROMPT_END = ("\n\nThere is an important piece of information hidden inside the above document. Now that you've "
+              f"read the document, I will quiz you about it. Answer the following question: {QUESTION} "
+              "Answer: The best thing to do in San Francisco is")
+PAPER_LENGTHS = np.linspace(1000, 32000, 11)     # for a 16384-token training context
+DEFAULT_BOOKS = REPO.parent / "shared" / "data" / "books" / "eltec_eng"
+
+
+def grid_lengths(c, train_len):
+    if c.lengths:
+        return [int(l) for l in c.lengths]
+    return [int(round(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)]
+
+
+def haystack(tokenizer, books_dir, n_tokens):
+    """The first n_tokens tokens of the novels in books_dir (TEI .xml.gz, file-name order), blank-line separated."""
+    ids = []
+    for path in sorted(Path(books_dir).glob("*.xml.gz")):
+        ids += tokenizer.encode_ordinary(tei_to_text(str(path)) + "\n\n")
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+    raise ValueError(f"the novels in {books_dir} hold {len(ids)} tokens, fewer than the {n_tokens} a haystack needs")
+
+
+def build_prompt(hay, needle, end, bos, depth, period_ids):
+    """bos + haystack with the needle at `depth` % (moved back to after a "." token) + the question."""
+    pos = len(hay) if depth >= 100 else int(len(hay) * depth / 100)
+    while 0 < pos < len(hay) and hay[pos - 1] not in period_ids:
+        pos -= 1
+    return [bos] + hay[:pos] + needle + hay[pos:] + end
+
+
+@torch.no_grad()
+def greedy_continuations(model, tokenizer, prompts, max_new_tokens, batch_size, device):
+    """Greedy continuations of equal-length prompts, decoded up to the first <|endoftext|>."""
+    answers = []
+    for start in range(0, len(prompts), batch_size):
+        idx = torch.tensor(prompts[start:start + batch_size], device=device)
+        new = model.generate(idx, max_new_tokens, temperature=0, eot_token=tokenizer.eot_token)[:, idx.size(1):]
+        for row in new.tolist():
+            answers.append(tokenizer.decode(row[:row.index(tokenizer.eot_token)] if tokenizer.eot_token in row else row))
+    return answers
+
+
+def run_mode(model, tokenizer, hay, mode, lengths, depths, c, device):
+    """One record per (length, depth): the prompt's token count, the continuation and whether it holds ANSWER."""
+    needle, end = tokenizer.encode_ordinary(NEEDLES[mode]), tokenizer.encode_ordinary(PROMPT_END)
+    period_ids = set(tokenizer.encode_ordinary("."))
+    records = []
+    for length in lengths:
+        n_hay = length - c.question_reserve - len(needle)
+        if n_hay <= 0:
+            raise ValueError(f"niah length {length} leaves no haystack after {c.question_reserve} reserved tokens "
+                             f"and a {len(needle)}-token needle")
+        prompts = [build_prompt(hay[:n_hay], needle, end, tokenizer.eot_token, d, period_ids) for d in depths]
+        answers = greedy_continuations(model, tokenizer, prompts, c.max_new_tokens, c.batch_size, device)
+        records += [{"length": length, "depth": d, "prompt_tokens": len(p), "answer": a.strip(), "match": ANSWER in a}
+                    for d, p, a in zip(depths, prompts, answers)]
+    return records
+
+
+def plot_heatmap(grid, lengths, depths, train_len, title, png):
+    """grid (depths x lengths) of scores 1..10 as the paper's heatmap; dashed line at the training context."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(lengths), 1 + 0.4 * len(depths)))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=1, vmax=10, aspect="auto")
+    ax.set_xticks(range(len(lengths)), [str(l) for l in lengths], rotation=45)
+    ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
+    if lengths[0] <= train_len <= lengths[-1]:
+        ax.axvline(np.interp(train_len, lengths, range(len(lengths))), ls="--", c="black", lw=1)
+    ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=title)
+    fig.colorbar(image, ax=ax, label="score (10 = answer found, 1 = not)")
+    fig.savefig(png, dpi=150, bbox_inches="tight")
+    plt.close(fig)
+
+
+@evaluation("niah")
+def needle_in_a_haystack(model, ctx):
+    c = ctx.cfg.niah
+    train_len = ctx.train_cfg["train"]["seq_len"]
+    tokenizer = tokenizer_for(ctx.train_cfg)
+    lengths, depths = grid_lengths(c, train_len), [float(d) for d in (c.depths or np.linspace(0, 100, 11).round())]
+    if model.config.pos == "learned":
+        lengths = [l for l in lengths if l + c.max_new_tokens <= model.config.block_size]
+        if not lengths:
+            raise ValueError(f"no niah length fits the learned positions of block_size={model.config.block_size}")
+    books_dir = c.books_dir or os.environ.get("BOOKS_DIR") or DEFAULT_BOOKS
+    hay = haystack(tokenizer, books_dir, max(lengths))
+    out = Path(ctx.out_dir)
+    result = {"metric": "exact match of the needle's answer in the greedy continuation (not the paper's GPT-4o judge)",
+              "lengths": lengths, "depths": depths, "train_seq_len": train_len}
+    for mode in c.modes:
+        records = run_mode(model, tokenizer, hay, mode, lengths, depths, c, ctx.device)
+        (out / f"niah_{mode}.json").write_text(json.dumps(records, indent=1))
+        match = np.array([r["match"] for r in records], dtype=float).reshape(len(lengths), len(depths)).T
+        plot_heatmap(1 + 9 * match, lengths, depths, train_len, f"needle in a haystack, {mode} mode",
+                     out / f"niah_{mode}.png")
+        within = [r["match"] for r in records if r["length"] <= train_len]
+        result[mode] = {"accuracy": float(match.mean()),
+                        "accuracy_within_train_len": float(np.mean(within)) if within else None,
+                        "match": match.astype(int).tolist(), "png": str(out / f"niah_{mode}.png")}
+    return result
