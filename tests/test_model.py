@@ -1,4 +1,6 @@
 """model/gpt.py: shapes, parameter counts, learning, causality, cached generation."""
+import os
+
 import pytest
 import torch
 
@@ -179,3 +181,66 @@ def test_unknown_config_key_is_named():
 def test_flops_per_token_counts_weights_and_attention():
     model = GPT(tiny())
     assert model.flops_per_token(32) == 6 * model.num_params() + 2 * 12 * 4 * 8 * 32
+
+
+def experiment_model(name):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    with initialize_config_dir(config_dir=os.path.abspath("configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"experiment={name}"])
+    with torch.device("meta"):
+        return GPT(GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True)))
+
+
+# castle.md §5.3 (derived column, matching the paper's truncated figures)
+CASTLE_PARAMS = {"castle_paper_S": 160.7e6, "castle_paper_M": 351.9e6, "castle_paper_L": 753.3e6,
+                 "castle_paper_XL": 1304.7e6, "castle_swl_paper_M": 351.9e6,
+                 "baseline_paper_M": 353.5e6}
+
+
+@pytest.mark.parametrize("name", CASTLE_PARAMS)
+def test_castle_paper_configs_parameter_counts(name):
+    model = experiment_model(name)
+    assert abs(model.num_params() - CASTLE_PARAMS[name]) / CASTLE_PARAMS[name] < 0.01
+    if "castle" in name:   # 4/7 head matching: 14 -> 8 (S), 16 -> 9 (M/L/XL)
+        assert model.config.n_head == (8 if name.endswith("_S") else 9)
+
+
+# fox.md §2.8: non-embedding parameters = total minus the input embedding (untied head included)
+FOX_PARAMS = {"fox_pro_760M": 759.44e6, "transformer_pro_760M": 757.68e6, "fox_llama_760M": 757.63e6,
+              "transformer_llama_760M": 756.75e6, "fox_pro_360M": 367.29e6, "fox_llama_360M": 360.19e6,
+              "fox_pro_125M": 123.89e6, "fox_llama_125M": 123.66e6}
+
+
+@pytest.mark.parametrize("name", FOX_PARAMS)
+def test_fox_paper_configs_parameter_counts(name):
+    model = experiment_model(name)
+    non_embedding = model.num_params() - model.wte.weight.numel()
+    assert abs(non_embedding - FOX_PARAMS[name]) / FOX_PARAMS[name] < 0.01
+
+
+def test_transformer_pro_equals_fox_pro_with_gate_off_and_rope_on():
+    """fox.md: Transformer (Pro) is FoX (Pro) with log f = 0 and RoPE; same weights, same logits."""
+    torch.manual_seed(0)
+    pro = tiny(attention="baseline", **LLAMA, **PRO)
+    transformer = GPT(pro).double().eval()
+    fox = GPT(tiny(attention="fox", **LLAMA, **PRO)).double().eval()     # pos=rope kept on
+    missing, unexpected = fox.load_state_dict(transformer.state_dict(), strict=False)
+    assert not unexpected and all("fgate" in k for k in missing)
+    for block in fox.blocks:                # sigmoid(1e4) == 1 exactly: log f == 0
+        torch.nn.init.zeros_(block.attn.fgate.weight)
+        torch.nn.init.constant_(block.attn.fgate.bias, 1e4)
+    idx = torch.randint(0, 97, (2, 19))
+    torch.testing.assert_close(fox(idx)[0], transformer(idx)[0], rtol=1e-10, atol=1e-10)
+
+
+def test_forget_gate_bias_init():
+    model = GPT(tiny(attention="fox", pos="none", fgate_bias_init=2.5))
+    assert torch.all(model.blocks[0].attn.fgate.bias == 2.5)
+
+
+def test_castle_parameter_layout():
+    """Six projections per head plus W_O: 7 n_head d d_model attention parameters."""
+    config = tiny(attention="castle", n_embd=64, n_head=3, head_dim=16)
+    attn = GPT(config).blocks[0].attn
+    assert sum(p.numel() for p in attn.parameters()) == 7 * 3 * 16 * 64
