@@ -7,7 +7,7 @@ import sys
 import hydra
 import torch
 
-from data.tokenizer import get_tokenizer
+from data.tokenizer import tokenizer_for
 from model.gpt import load_model
 
 
@@ -33,7 +33,7 @@ def stream_text(model, tok, prompt_ids, cfg, device):
 def main(cfg):
     torch.manual_seed(cfg.seed)
     model, train_cfg, device = load_model(cfg.ckpt, cfg.device, cfg.dtype)
-    tok = get_tokenizer(train_cfg["data"]["tokenizer"])
+    tok = tokenizer_for(train_cfg["data"])
     prompt_ids = tok.encode_ordinary(cfg.prompt) if cfg.prompt else [tok.eot_token]
     for i in range(cfg.num_samples):
         print(f"--- sample {i + 1}/{cfg.num_samples} ---")

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 from data.loader import build_loader
-from data.tokenizer import get_tokenizer
+from data.tokenizer import tokenizer_for
 from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
                        find_checkpoint, load_checkpoint)
 
@@ -195,7 +195,7 @@ def validation_loss(model, cfg, dist_info, autocast):
 
 
 def print_sample(model, cfg, device):
-    tok = get_tokenizer(cfg.data.tokenizer)
+    tok = tokenizer_for(cfg.data)
     idx = torch.tensor([[tok.eot_token]], device=device)
     out = model.generate(idx, cfg.train.sample_tokens, temperature=0.8, top_k=200)
     print("\n--- sample ---\n" + tok.decode(out[0, 1:].tolist()) + "\n--------------")

@@ -19,6 +19,8 @@ from data.sources import expand_sources, list_units
 
 
 class TokenLoader:
+    """Batches from a list of shard files in the order above; `files` order is the stream order."""
+
     def __init__(self, files, batch_size, seq_len, rank=0, world_size=1):
         if not files:
             raise ValueError("TokenLoader needs at least one shard file")
@@ -36,7 +38,7 @@ class TokenLoader:
         self._open = collections.OrderedDict()  # a few memory-mapped shards, least recently used first
 
     def next_batch(self):
-        """(x, y): int64 CPU tensors of shape (batch_size, seq_len); y is x shifted left by one token."""
+        """(x, y): int64 CPU tensors of shape (batch_size, seq_len); y[:, t] is the token after x[:, t]."""
         c = (self.step * self.world_size + self.rank) % self.n_chunks
         buf = torch.from_numpy(self._read(c * self.chunk, self.chunk + 1).astype(np.int64))
         self.step += 1

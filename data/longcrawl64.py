@@ -39,7 +39,7 @@ def open_split(root, split, check_rows=True):
         array = zarr.open_array(path, mode="r", storage_options=options)
     except Exception as e:  # missing folder, not zarr, no gcsfs, ...: all end here with the path named
         raise ValueError(f"{path}: cannot open as a zarr array ({type(e).__name__}: {e}); expected LongCrawl64's "
-                         f"{ARRAYS[split]}: gsutil -m cp -r gs://longcrawl64 DIR, or data/prepare_longcrawl64.py") from e
+                         f"{ARRAYS[split]} (gsutil -m cp -r gs://longcrawl64 DIR; data/prepare_longcrawl64.py)") from e
     check_array(path, array, split, check_rows)
     return array
 
@@ -67,7 +67,7 @@ def check_values(path, array, n_docs=16):
 
 
 class LongCrawl64Loader:
-    """next_batch / state_dict / load_state_dict as data.loader.TokenLoader, over a (docs, 65536) array."""
+    """next_batch / state_dict / load_state_dict as data.loader.TokenLoader, over a zarr (docs, 65536) array."""
 
     def __init__(self, array, batch_size, seq_len, rank=0, world_size=1, order="paper", seed=0):
         if order not in ("paper", "shuffled"):
@@ -97,8 +97,7 @@ class LongCrawl64Loader:
             docs = self._doc_permutation(column_pass)[d0:d0 + self.batch_size]
             col = np.random.default_rng([self.seed, 0, epoch]).permutation(self.cols)[col]
         cols = slice(col * self.seq_len, (col + 1) * self.seq_len)
-        index = self.array.oindex if isinstance(docs, np.ndarray) and hasattr(self.array, "oindex") else self.array
-        y = torch.from_numpy(np.asarray(index[docs, cols], dtype=np.int64))
+        y = torch.from_numpy(np.asarray(self.array.oindex[docs, cols], dtype=np.int64))  # zarr: slices or rows
         x = torch.roll(y, 1, dims=1)
         x[:, 0] = EOT
         self.step += 1

@@ -256,7 +256,8 @@ def add_prepare_args(parser, *, val_tokens, shard_tokens):
     parser.add_argument("--out", required=True, help="output folder for the shards and manifest.json")
     parser.add_argument("--tokenizer", default="gpt2", choices=["gpt2", "gpt2_json"],
                         help="gpt2: tiktoken GPT-2 BPE; gpt2_json: the same on JSON-escaped text (LongCrawl64 style)")
-    parser.add_argument("--ranks-path", help="local r50k_base.tiktoken (default: $GPT2_RANKS_PATH, then the bundled copy)")
+    parser.add_argument("--ranks-path",
+                        help="local r50k_base.tiktoken (default: $GPT2_RANKS_PATH, then the bundled copy)")
     parser.add_argument("--val-tokens", type=parse_count, default=val_tokens,
                         help="tokens at the start of the stream that form the validation shard (default %(default)s)")
     parser.add_argument("--shard-tokens", type=parse_count, default=shard_tokens,

@@ -52,13 +52,14 @@ def copy_rows(src, dst_path, entry, save, workers, max_blocks):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", required=True,
-                        help="folder or URL (gs://longcrawl64 with gcsfs installed) holding train.zarr and heldout.zarr")
+                        help="folder or URL (gs://longcrawl64, needs gcsfs) holding train.zarr and heldout.zarr")
     parser.add_argument("--out", required=True, help="folder the loader reads (data.dir)")
     parser.add_argument("--splits", nargs="+", default=["train", "val"], choices=["train", "val"],
                         help="val = heldout.zarr (default: both)")
     parser.add_argument("--copy", action="store_true", help="copy a local source instead of linking it")
     parser.add_argument("--any-rows", action="store_true", help="accept arrays with other document counts (subsets)")
-    parser.add_argument("--check-docs", type=int, default=64, help="documents spot-checked per array (default %(default)s)")
+    parser.add_argument("--check-docs", type=int, default=64,
+                        help="documents spot-checked per array (default %(default)s)")
     parser.add_argument("--workers", type=int, default=8, help="copy threads (default %(default)s)")
     parser.add_argument("--max-blocks", type=int, help="stop after copying this many blocks; running again resumes")
     args = parser.parse_args(argv)
@@ -79,7 +80,8 @@ def main(argv=None):
             dst = out / ARRAYS[split]
             if remote or args.copy:
                 if not copy_rows(src, dst, entry, lambda: save_manifest(out, manifest), args.workers, args.max_blocks):
-                    print(f"{dst}: {entry['documents_done']:,} of {src.shape[0]:,} documents copied; run again to resume")
+                    print(f"{dst}: {entry['documents_done']:,} of {src.shape[0]:,} documents copied; "
+                          "run again to resume")
                     return manifest
             elif not dst.exists():
                 dst.symlink_to(Path(args.source, ARRAYS[split]).resolve(), target_is_directory=True)

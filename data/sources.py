@@ -114,7 +114,7 @@ def _parquet_docs(unit, stats, min_int_score):
     columns = ["text"] + (["int_score"] if min_int_score is not None else [])
     table = _parquet_file(unit.path).read_row_group(unit.part[0], columns=columns)
     scores = table.column("int_score").to_pylist() if min_int_score is not None else [None] * table.num_rows
-    yield from zip(table.column("text").to_pylist(), scores)
+    yield from zip(table.column("text").to_pylist(), scores, strict=True)
 
 
 def _jsonl_docs(unit, stats, min_int_score):

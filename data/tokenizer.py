@@ -49,7 +49,7 @@ def _gpt2_encoding(ranks_path):
         found = [p for p in (Path(path).expanduser(), REPO_ROOT / path) if p.is_file()]  # CWD, then repo root
         if found:
             return _encoding_from_file(str(found[0].resolve()))
-        warnings.warn(f"GPT-2 ranks file {path} (from {origin}) does not exist; looking elsewhere")
+        warnings.warn(f"GPT-2 ranks file {path} (from {origin}) does not exist; looking elsewhere", stacklevel=3)
         tried.append(f"{path} (from {origin}): missing")
     if BUNDLED_RANKS.is_file():
         return _encoding_from_file(str(BUNDLED_RANKS))
@@ -111,3 +111,8 @@ class JSONGPT2Tokenizer:
 
     def decode(self, ids):
         return json_unescape(self.encoding.decode(ids))
+
+
+def tokenizer_for(data_cfg):
+    """The tokenizer a data config (configs/data/*.yaml, or a checkpoint's saved copy) was built with."""
+    return get_tokenizer(data_cfg.get("tokenizer", "gpt2"), data_cfg.get("ranks_path"))
