@@ -19,6 +19,7 @@ import evaluation.heldout  # noqa: F401  (registers "heldout")
 import evaluation.lm_eval_adapter  # noqa: F401  (registers "lm_eval")
 import evaluation.long_context  # noqa: F401  (registers "long_context")
 import evaluation.niah  # noqa: F401  (registers "niah")
+import evaluation.tint  # noqa: F401  (registers "tint")
 from evaluation import EVALUATIONS, Context
 from model.gpt import find_checkpoint, load_model
 

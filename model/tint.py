@@ -22,18 +22,21 @@ Two levels live in this file.
         backward for norm and activation, detached attention probabilities), then torch.autograd.
     Recipe B also gives the exact baselines of §2.10 (dynamic evaluation, matched or full).
 
-(b) The simulator ("TinT-Sim", §3 and §5.3) for GPT-2-style auxiliary models: a transformer whose
-    own parameters do not depend on the auxiliary weights. The auxiliary weights are *data*: they
-    sit on K prefix rows placed before the token rows, and linear-attention heads between token rows
-    and prefix rows compute every auxiliary linear map (forward W x + b, backward W^T d, descent
-    W <- W - lr * sum_t d_t x_t^T). All its maps are H-split (split-wise / dimension-wise)
-    linear maps. The simulator is modular, as in the paper's sizes and the official code (§3.13,
-    §7.1): state travels from a module to a much later one only through two explicit side
-    channels, `ActivationMemory` and `PrefixMemory`, whose only methods are `put` and `get` and
-    which only clone. Everything the simulator does to auxiliary data happens in its primitive
-    layers (TinT attention, H-split linear maps, group norm, row-wise MLP, gates) except two
-    declared ops, as in the official code: the embedding lookup at the input and the LM head /
-    loss gradient at the top (§3.12, "declared op" MVP).
+(b) The simulator ("TinT-Sim", §3 and §5.3): a transformer whose own parameters do not depend on the
+    auxiliary weights. The auxiliary weights are *data*: they sit on K prefix rows placed before the
+    token rows, and linear-attention heads between token rows and prefix rows compute every auxiliary
+    linear map (forward W x + b, backward W^T d, descent W <- W - lr * sum_t d_t x_t^T). All its maps
+    are H-split (split-wise / dimension-wise) linear maps. The simulator is modular, as in the paper's
+    sizes and the official code (§3.13, §7.1): state travels from a module to a much later one only
+    through two explicit side channels, `ActivationMemory` and `PrefixMemory`, whose only methods are
+    `put` and `get` and which only clone. Everything the simulator does to auxiliary data happens in
+    its primitive layers (TinT attention, H-split linear maps, group norm, row-wise MLP / GLU, gates)
+    except two declared ops, as in the official code: the embedding lookup at the input and the LM
+    head / loss gradient at the top (§3.12, "declared op" MVP).
+    Supported auxiliary models: GPT-2 style (the paper's construction: LayerNorm, GELU, learned or no
+    positions, with or without biases) and, as our own extension of §5.4, LLaMA style (group-RMSNorm,
+    a GLU primitive for SwiGLU, RoPE inside the softmax heads; S = D / K >= 4 for the extra memory).
+    Both need n_head * head_dim == n_embd and a tied or untied head; not the Pro / FoX / CASTLE options.
 
 Public API
     tint_reference(aux_model, idx, n_train, lr=..., **options) -> test-segment logits
@@ -49,13 +52,13 @@ gradient, eps_fd = 1e-3 by default, kappa = 1 for the MLP output bias, W_Q/W_K/g
 frozen, layers below the top `n_layers` untouched, each sequence of a batch gets its own update.
 """
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
-from model.gpt import apply_rope, mlp_hidden_size
+from model.gpt import apply_rope, mlp_hidden_size, rope_tables
 
 # ============================================================================ auxiliary model access
 
@@ -363,7 +366,7 @@ def _explicit_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
     Returns gradients {layer k: {key: grad}}, {"lnf_b": grad} (descent directions, before -lr)."""
     ops = _Ops(arch)
     eps = opts.fd_eps
-    norm = lambda x: _normalize(x, arch.norm, arch.eps)  # noqa: E731
+    norm = lambda x: _normalize(x, arch.norm, arch.eps)
     h, caches = h_in, []
     for p in layers:
         h, cache = _block_forward(p, h, arch, rope, ops)
@@ -457,7 +460,7 @@ def _autograd_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
     return grads, gf
 
 
-def tint_update(aux_model, idx, n_train, lr=None, label_mask=None, return_h_in=False, **options):
+def tint_update(aux_model, idx, n_train, lr=None, label_mask=None, **options):
     """TinT's approximate update (§2) for every sequence of idx (B, L) on its first n_train tokens.
 
     Returns (layers, final, start): `layers[k]` holds the per-sequence (B, ...) weights of auxiliary
@@ -486,7 +489,7 @@ def tint_update(aux_model, idx, n_train, lr=None, label_mask=None, return_h_in=F
             layers = [{k: (v - opts.lr * g[k] if g.get(k) is not None else v) for k, v in p.items()}
                       for p, g in zip(layers, grads)]
             final = {k: (v - opts.lr * gfinal[k] if gfinal.get(k) is not None else v) for k, v in final.items()}
-    return (layers, final, start, h_in) if return_h_in else (layers, final, start)
+    return layers, final, start
 
 
 def score_updated(aux_model, layers, final, start, idx, n_train):
@@ -573,6 +576,9 @@ class SimConfig:
     K: int = 0                 # prefix rows; 0: D / S with the smallest S >= 3 dividing D
     H_soft: int = 0            # heads of the softmax modules; 0: H_L when K >= head_dim
     gate_scale: float = 100.0  # tanh(100) == 1.0 exactly even in fp64
+    norm: str = "layernorm"    # "layernorm" | "rmsnorm"
+    mlp: str = "gelu"          # "gelu" | "swiglu"
+    rope_theta: float = 10000.0
     S: int = field(init=False)
     D_s: int = field(init=False)
     H_L: int = field(init=False)
@@ -583,13 +589,14 @@ class SimConfig:
         D = self.n_embd
         if self.n_head * self.head_dim != D:
             raise ValueError("the simulator needs n_head * head_dim == n_embd (square D x D maps)")
+        min_S = 4 if self.mlp == "swiglu" else 3   # SwiGLU keeps (a, b) in memory next to dh and the sum
         if not self.K:
-            S = next((s for s in range(3, D + 1) if D % s == 0), None)
+            S = next((s for s in range(min_S, D + 1) if D % s == 0), None)
             if S is None:
-                raise ValueError(f"n_embd={D} has no divisor S >= 3")
+                raise ValueError(f"n_embd={D} has no divisor S >= {min_S}")
             self.K = D // S
-        if D % self.K or D // self.K < 3:
-            raise ValueError(f"K={self.K} must divide n_embd={D} with S = D / K >= 3 (memory needs 3 blocks)")
+        if D % self.K or D // self.K < min_S:
+            raise ValueError(f"K={self.K} must divide n_embd={D} with S = D / K >= {min_S} (scratch blocks)")
         self.S = D // self.K
         self.D_s = (self.S + 1) * D
         self.H_L = (self.S + 1) * self.S
@@ -607,13 +614,10 @@ class SimConfig:
 
     @classmethod
     def from_aux(cls, config, lr, n_layers=None, **kw):
-        if config.norm != "layernorm" or config.mlp != "gelu" or config.pos == "rope":
-            raise NotImplementedError(
-                "the TinT simulator supports GPT-2-style auxiliary models (LayerNorm, GELU, learned or no "
-                "positions); LLaMA-style (RMSNorm, SwiGLU, RoPE) is supported by tint_reference only")
         return cls(n_embd=config.n_embd, n_head=config.n_head, head_dim=config.head_dim, n_layer=config.n_layer,
                    vocab_size=config.vocab_size, block_size=config.block_size,
                    mlp_hidden=mlp_hidden_size(config), bias=config.bias, norm_eps=config.norm_eps, pos=config.pos,
+                   norm=config.norm, mlp=config.mlp, rope_theta=config.rope_theta,
                    lr=lr, n_layers=config.n_layer if n_layers is None else n_layers, **kw)
 
 
@@ -660,6 +664,17 @@ class HSplitLinear(nn.Module):
 _ROUTE_CACHE = {}
 
 
+def _augment(u, adj, match_r, seen):
+    """Kuhn's augmenting path from input column u (bipartite matching)."""
+    for v in adj[u]:
+        if not seen[v]:
+            seen[v] = True
+            if match_r[v] < 0 or _augment(match_r[v], adj, match_r, seen):
+                match_r[v] = u
+                return True
+    return False
+
+
 def compile_routes(H, d, routes):
     """Three-pass grid permutation (§3.7, derived from König's edge-colouring theorem): complete the
     partial permutation, colour the H-regular bipartite multigraph (input column -> output column) with
@@ -690,17 +705,8 @@ def compile_routes(H, d, routes):
                 adj[cs].append(cd)
         match_r = [-1] * d          # output column -> input column
 
-        def augment(u, seen):
-            for v in adj[u]:
-                if not seen[v]:
-                    seen[v] = True
-                    if match_r[v] < 0 or augment(match_r[v], seen):
-                        match_r[v] = u
-                        return True
-            return False
-
         for u in range(d):
-            if not augment(u, [False] * d):
+            if not _augment(u, adj, match_r, [False] * d):
                 raise RuntimeError("no perfect matching (not a regular multigraph?)")
         for cd, cs in enumerate(match_r):
             i = pair_edges[(cs, cd)].pop()
@@ -753,11 +759,13 @@ class TinTAttention(nn.Module):
     def __init__(self, cfg, H, kind, stages, transpose=False, dtype=None, device=None):
         super().__init__()
         self.H, self.d, self.kind, self.transpose = H, cfg.D_s // H, kind, transpose
-        mk = lambda: HSplitLinear(H, self.d, stages, dtype, device)  # noqa: E731
+        mk = lambda: HSplitLinear(H, self.d, stages, dtype, device)
         self.q_map, self.k_map, self.v_map, self.o_map = mk(), mk(), mk(), mk()
-        z = lambda *s: nn.Parameter(torch.zeros(*s, dtype=dtype, device=device), requires_grad=False)  # noqa: E731
+        z = lambda *s: nn.Parameter(torch.zeros(*s, dtype=dtype, device=device), requires_grad=False)
         self.pos_q, self.pos_k, self.pos_v = z(cfg.P, self.d), z(cfg.P, self.d), z(cfg.P, self.d)
         self.lam = z(3, H)
+        self.score_scale = 1.0                 # a constant of the softmax (1/sqrt(d_a) for the aux heads)
+        self.rope_cos = self.rope_sin = None   # RoPE inside the softmax heads (§5.4 item 3), (P, d_rot / 2)
 
     def forward(self, e, ctx, mask, mask_t=None):
         B, N, _ = e.shape
@@ -768,7 +776,16 @@ class TinTAttention(nn.Module):
 
         q, k, v = proj(self.q_map, self.pos_q, self.lam[0]), proj(self.k_map, self.pos_k, self.lam[1]), \
             proj(self.v_map, self.pos_v, self.lam[2])
+        if self.rope_cos is not None:
+            # rotate the first d_rot coordinates of every head by the row's position (tables indexed by the
+            # one-hot; prefix rows: no rotation), in fp32 exactly as model.gpt.apply_rope does
+            rot = 2 * self.rope_cos.size(1)
+            cs = ((ctx.onehot @ self.rope_cos).float(), (ctx.onehot @ self.rope_sin).float())
+            q = torch.cat([apply_rope(q[..., :rot], cs), q[..., rot:]], -1)
+            k = torch.cat([apply_rope(k[..., :rot], cs), k[..., rot:]], -1)
         s = torch.matmul(q, k.transpose(-1, -2))
+        if self.score_scale != 1.0:
+            s = s * self.score_scale
         if self.kind == "linear":
             A = s * mask
         else:
@@ -813,11 +830,12 @@ class RouteLayer(nn.Module):
 
 
 class NormLayer(nn.Module):
-    """Group normalisation (§3.1 item 3): each listed D-block of the token rows normalised on its own."""
+    """Group normalisation (§3.1 item 3): each listed D-block of the token rows normalised on its own
+    (LayerNorm's normaliser, or RMSNorm's for LLaMA-style models, §5.4 item 1)."""
 
     def __init__(self, cfg, blocks, dtype=None, device=None):
         super().__init__()
-        self.blocks, self.D, self.eps = tuple(blocks), cfg.n_embd, cfg.norm_eps
+        self.blocks, self.D, self.eps, self.kind = tuple(blocks), cfg.n_embd, cfg.norm_eps, cfg.norm
         self.gate = Gate(cfg, 2, dtype, device)
         out = _blocks_vec(cfg, blocks, torch.float64)
         self.gate.set(0, 1 - out, 1)
@@ -827,7 +845,7 @@ class NormLayer(nn.Module):
         y = e.clone()
         for b in self.blocks:
             sl = slice(b * self.D, (b + 1) * self.D)
-            y[..., sl] = _normalize(e[..., sl], "layernorm", self.eps)
+            y[..., sl] = _normalize(e[..., sl], self.kind, self.eps)
         return self.gate(ctx, [e, y])
 
 
@@ -860,6 +878,37 @@ class ActLayer(nn.Module):
         return self.gate(ctx, [e, y])
 
 
+def _row_mixing_map(cfg, spec, dtype, device):
+    m = HSplitLinear(cfg.H_L, cfg.K, ("dim",), dtype, device)
+    A = torch.zeros(cfg.H_L, cfg.H_L, dtype=torch.float64)
+    for ob, terms in spec.items():
+        for ib, coef in terms:
+            for s in range(cfg.S):
+                A[ob * cfg.S + s, ib * cfg.S + s] += coef
+    m.set_row_mixing(A)
+    return m
+
+
+class GLULayer(nn.Module):
+    """GLU primitive (§5.4 item 2, our extension): out = M_out (silu(M_a e) * M_b e), M_* "dim" H-split maps
+    (M_out optional); writes the blocks `out_blocks` of the token rows."""
+
+    def __init__(self, cfg, a_spec, b_spec, out_spec=None, out_blocks=(0,), dtype=None, device=None):
+        super().__init__()
+        self.a_map = _row_mixing_map(cfg, a_spec, dtype, device)
+        self.b_map = _row_mixing_map(cfg, b_spec, dtype, device)
+        self.out_map = None if out_spec is None else _row_mixing_map(cfg, out_spec, dtype, device)
+        self.gate = Gate(cfg, 2, dtype, device)
+        out = _blocks_vec(cfg, out_blocks, torch.float64)
+        self.gate.set(0, 1 - out, 1)
+        self.gate.set(1, out, 0)
+
+    def forward(self, e, ctx):
+        y = F.silu(self.a_map(e)) * self.b_map(e)
+        y = y if self.out_map is None else self.out_map(y)
+        return self.gate(ctx, [e, y])
+
+
 def _lin_heads(cfg):
     S = cfg.S
     weight = [(s, r, s * S + r) for s in range(S) for r in range(S)]
@@ -871,7 +920,7 @@ def _set_linear_forward(att, cfg):
     """Linear Forward (§3.4): token t, weight head (s, r): query x_t^(r) (shard r of B0), key shard sS+r
     of prefix row j, value e_j -> sum_j <x^(r), w^(r)_{sK+j}> e_j; bias head s: query e_0, key e_j,
     value the bias shard s -> b^(s). Output: B0 shard s = sum_r head (s, r) + bias head s."""
-    S, Tm = cfg.S, cfg.block_size
+    Tm = cfg.block_size
     weight, bias = _lin_heads(cfg)
     H = cfg.H_L
     Aq, Ak, Av, Ao = (torch.zeros(H, H, dtype=torch.float64) for _ in range(4))
@@ -983,9 +1032,9 @@ class BackwardDescentLayer(nn.Module):
 
 
 class SoftmaxLayer(nn.Module):
-    """The auxiliary softmax attention (§3.10) with H_soft heads: head h takes q^h (from block q_block,
-    scaled by 1/sqrt(d_a)), k^h (k_block) and v^h (B0) into its first d_a coordinates (three-pass H-split
-    maps); causal among tokens, prefix columns masked. transpose=True: the dv backward, A^T mixing the
+    """The auxiliary softmax attention (§3.10) with H_soft heads: head h takes q^h (from block q_block),
+    k^h (k_block) and v^h (B0) into its first d_a coordinates (three-pass H-split maps), scores scaled by
+    1/sqrt(d_a) (after RoPE for LLaMA-style models); causal among tokens, prefix columns masked. transpose=True: the dv backward, A^T mixing the
     values (row t uses column j iff j == t or j > t with m_j = 1)."""
 
     def __init__(self, cfg, q_block, k_block, transpose=False, dtype=None, device=None):
@@ -993,12 +1042,22 @@ class SoftmaxLayer(nn.Module):
         H = cfg.H_soft
         self.att = TinTAttention(cfg, H, "softmax", ("dim", "split", "dim"), transpose, dtype, device)
         d, da, D = cfg.D_s // H, cfg.head_dim, cfg.n_embd
-        cell = lambda ch: (ch // d, ch % d)  # noqa: E731
+        cell = lambda ch: (ch // d, ch % d)
 
         def routes(block, w):
             return tuple((cell(block * D + h * da + i), (h, i), w) for h in range(cfg.n_head) for i in range(da))
 
-        self.att.q_map.set_routes(routes(q_block, 1 / math.sqrt(da)))
+        self.att.q_map.set_routes(routes(q_block, 1.0))
+        self.att.score_scale = 1 / math.sqrt(da)
+        if cfg.pos == "rope":
+            cos, sin = rope_tables(da, cfg.block_size, cfg.rope_theta)
+            z = lambda: nn.Parameter(torch.zeros(cfg.P, da // 2, dtype=dtype, device=device),
+                                     requires_grad=False)
+            self.att.rope_cos, self.att.rope_sin = z(), z()
+            with torch.no_grad():
+                self.att.rope_cos[:cfg.block_size] = cos
+                self.att.rope_cos[cfg.block_size:] = 1.0
+                self.att.rope_sin[:cfg.block_size] = sin
         self.att.k_map.set_routes(routes(k_block, 1.0))
         self.att.v_map.set_routes(routes(0, 1.0))
         self.att.o_map.set_routes(tuple(((h, i), cell(h * da + i), 1.0) for h in range(cfg.n_head)
@@ -1048,7 +1107,8 @@ def _ln_backward(cfg, dt, dev):
     """LayerNorm backward || bias descent (§3.8): gamma * dy (Linear Backward with diag gamma) || beta -=
     lr sum dy; then x + eps gamma dy; group norm; (N(x + eps gamma dy) - N(x)) / eps."""
     S, eps = cfg.S, cfg.fd_eps
-    return Seq([BackwardDescentLayer(cfg, 0.0, cfg.lr, descent=cfg.bias, dtype=dt, device=dev),
+    has_beta = cfg.norm == "layernorm" and cfg.bias        # RMSNorm / bias-free LayerNorm: nothing to update
+    return Seq([BackwardDescentLayer(cfg, 0.0, cfg.lr, descent=has_beta, dtype=dt, device=dev),
                 RouteLayer(cfg, {0: [(S, 1.0), (0, eps)]}, dt, dev), NormLayer(cfg, [0], dt, dev),
                 RouteLayer(cfg, {0: [(0, 1.0 / eps), (S - 1, -1.0 / eps)]}, dt, dev)])
 
@@ -1073,9 +1133,17 @@ class ForwardLayer(nn.Module):
         self.res_attn = ResidualGate(cfg, dt, dev)
         self.ln2 = _ln_forward(cfg, dt, dev)
         self.ffn_init = RouteLayer(cfg, {1: [(0, 1.0)], 2: []}, dt, dev)        # r -> B1, accumulator B2 = 0
-        self.w1 = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])           # shared by the chunks
-        self.act = Seq([_tap(cfg, dt, dev), ActLayer(cfg, dtype=dt, device=dev)])
-        self.w2 = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])
+        # one set of modules shared by the FFN chunks (§3.11)
+        if cfg.mlp == "gelu":
+            self.up = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])       # z = W_1 r + b_1 (memory r)
+            self.act = Seq([_tap(cfg, dt, dev), ActLayer(cfg, dtype=dt, device=dev)])   # g = gelu(z) (memory z)
+        else:
+            self.gate_lin = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])  # a = W_gate r (memory r)
+            self.route_a = RouteLayer(cfg, {S - 1: [(0, 1.0)], 0: [(1, 1.0)]}, dt, dev)
+            self.up = LinearLayer(cfg, dt, dev)                                  # b = W_up r
+            self.glu = Seq([_tap(cfg, dt, dev),                                  # memory (a, b)
+                            GLULayer(cfg, {0: [(S - 1, 1.0)]}, {0: [(0, 1.0)]}, dtype=dt, device=dev)])
+        self.down = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])         # y = W_2 g + b_2 (memory g)
         self.ffn_acc = RouteLayer(cfg, {2: [(2, 1.0), (0, 1.0)], 0: [(1, 1.0)]}, dt, dev)
         self.ffn_out = RouteLayer(cfg, {0: [(2, 1.0)]}, dt, dev)
         self.res_mlp = ResidualGate(cfg, dt, dev)
@@ -1087,11 +1155,24 @@ class BackwardLayer(nn.Module):
     def __init__(self, cfg, dt, dev):
         super().__init__()
         lr = cfg.lr
+        S, eps = cfg.S, cfg.fd_eps
         lr_b = lr if cfg.bias else 0.0                  # bias-free models: bias descent off (§5.4 item 4)
-        self.w2 = BackwardDescentLayer(cfg, lr, lr_b * cfg.mlp_out_bias_lr_mult / cfg.n_chunks, True, dt, dev)
-        self.act = ActLayer(cfg, {0: [(cfg.S, 1.0), (0, cfg.fd_eps)], 1: [(cfg.S, 1.0)]},
-                            {0: [(0, 1.0 / cfg.fd_eps), (1, -1.0 / cfg.fd_eps)]}, dt, dev)
-        self.w1 = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
+        self.down = BackwardDescentLayer(cfg, lr, lr_b * cfg.mlp_out_bias_lr_mult / cfg.n_chunks, True, dt, dev)
+        if cfg.mlp == "gelu":
+            # dz = (gelu(z + eps dg) - gelu(z)) / eps: one MLP, z from memory (§3.9)
+            self.act = ActLayer(cfg, {0: [(S, 1.0), (0, eps)], 1: [(S, 1.0)]},
+                                {0: [(0, 1.0 / eps), (1, -1.0 / eps)]}, dt, dev)
+            self.up = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
+        else:
+            # (a, b) from memory, dm in B0: d_gate = silu(a + eps dm) b/eps - silu(a) b/eps -> B0,
+            # d_up = silu(a) dm -> B_{S-1}: one GLU layer with three hidden blocks (§5.4 item 2)
+            self.glu = GLULayer(cfg, {0: [(S - 1, 1.0), (0, eps)], 1: [(S - 1, 1.0)], 2: [(S - 1, 1.0)]},
+                                {0: [(S, 1.0 / eps)], 1: [(S, -1.0 / eps)], 2: [(0, 1.0)]},
+                                {0: [(0, 1.0), (1, 1.0)], S - 1: [(2, 1.0)]}, out_blocks=(0, S - 1),
+                                dtype=dt, device=dev)
+            self.gate_lin = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
+            self.route_gu = RouteLayer(cfg, {2: [(2, 1.0), (0, 1.0)], 0: [(S - 1, 1.0)]}, dt, dev)
+            self.up = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
         self.ffn_init = RouteLayer(cfg, {1: [(0, 1.0)], 2: []}, dt, dev)        # dh -> B1, accumulator B2 = 0
         self.ffn_acc = RouteLayer(cfg, {2: [(2, 1.0), (0, 1.0)], 0: [(1, 1.0)]}, dt, dev)
         self.ffn_out = RouteLayer(cfg, {0: [(2, 1.0)]}, dt, dev)
@@ -1127,7 +1208,8 @@ def prefix_keys(cfg):
     keys = []
     for i in range(cfg.n_layer):
         keys += [(i, "ln1"), (i, "q"), (i, "k"), (i, "v"), (i, "o"), (i, "ln2")]
-        keys += [(i, "w1", c) for c in range(cfg.n_chunks)] + [(i, "w2", c) for c in range(cfg.n_chunks)]
+        for name in (("up", "down") if cfg.mlp == "gelu" else ("gate", "up", "down")):
+            keys += [(i, name, c) for c in range(cfg.n_chunks)]
     return keys + [("lnf",)]
 
 
@@ -1185,9 +1267,10 @@ class TinT(nn.Module):
         check_aux_model(aux_model)
         cfg, D = self.cfg, self.cfg.n_embd
         c = aux_model.config
-        if (c.n_embd, c.n_layer, c.n_head, c.vocab_size, c.block_size, mlp_hidden_size(c), c.bias, c.norm_eps) != \
+        if (c.n_embd, c.n_layer, c.n_head, c.vocab_size, c.block_size, mlp_hidden_size(c), c.bias, c.norm_eps,
+                c.norm, c.mlp, c.pos) != \
                 (cfg.n_embd, cfg.n_layer, cfg.n_head, cfg.vocab_size, cfg.block_size, cfg.mlp_hidden, cfg.bias,
-                 cfg.norm_eps):
+                 cfg.norm_eps, cfg.norm, cfg.mlp, cfg.pos) or (c.pos == "rope" and c.rope_theta != cfg.rope_theta):
             raise ValueError("auxiliary model does not match the simulator's configuration")
         bank = {}
         Fp = cfg.n_chunks * D
@@ -1197,20 +1280,27 @@ class TinT(nn.Module):
             bank[(i, "ln2")] = encode_linear(torch.diag(p["ln2_w"]), p["ln2_b"], cfg)
             for name in ("q", "k", "v", "o"):
                 bank[(i, name)] = encode_linear(p["w" + name], p["b" + name], cfg)
-            w_up = p["w_up"].new_zeros(Fp, D)
-            w_up[: p["w_up"].size(0)] = p["w_up"]
+            # the FFN width padded with zero rows / columns to n_chunks * D (they stay zero under descent)
             w_down = p["w_down"].new_zeros(D, Fp)
             w_down[:, : p["w_down"].size(1)] = p["w_down"]
-            b_up = None
-            if p["b_up"] is not None:
-                b_up = p["b_up"].new_zeros(Fp)
-                b_up[: p["b_up"].size(0)] = p["b_up"]
+            ins = {}
+            for name, w, b in (("up", p["w_up"], p["b_up"]), ("gate", p["w_gate"], p["b_gate"])):
+                if w is None:
+                    continue
+                wp = w.new_zeros(Fp, D)
+                wp[: w.size(0)] = w
+                bp = None
+                if b is not None:
+                    bp = b.new_zeros(Fp)
+                    bp[: b.size(0)] = b
+                ins[name] = (wp, bp)
             for ch in range(cfg.n_chunks):
                 sl = slice(ch * D, (ch + 1) * D)
-                bank[(i, "w1", ch)] = encode_linear(w_up[sl], None if b_up is None else b_up[sl], cfg)
+                for name, (wp, bp) in ins.items():
+                    bank[(i, name, ch)] = encode_linear(wp[sl], None if bp is None else bp[sl], cfg)
                 # b_2 lives in chunk 0; every chunk's bias descends with lr / n_chunks: kappa = 1 (§7.4)
                 b2 = None if p["b_down"] is None else (p["b_down"] if ch == 0 else torch.zeros_like(p["b_down"]))
-                bank[(i, "w2", ch)] = encode_linear(w_down[:, sl], b2, cfg)
+                bank[(i, "down", ch)] = encode_linear(w_down[:, sl], b2, cfg)
         fp = final_params(aux_model)
         bank[("lnf",)] = encode_linear(torch.diag(fp["lnf_w"]), fp["lnf_b"], cfg)
         for k, i in self.key_index.items():
@@ -1281,7 +1371,7 @@ class TinT(nn.Module):
             AM.put(key, e[:, self.cfg.K:, sl])
 
     def _forward_block(self, i, e, ctx, AM, PM, record):
-        cfg, S, K = self.cfg, self.cfg.S, self.cfg.K
+        cfg, S = self.cfg, self.cfg.S
         F_ = self.fwd[i]
         mem_ln, mem_attn, mem_x = self._mem_slice(S - 1, S), self._mem_slice(S - 2, S), self._mem_slice(S, S)
         e_in = e
@@ -1303,12 +1393,20 @@ class TinT(nn.Module):
         self._memory_out(e, AM, (i, "ln2"), mem_ln, record)
         e = F_.ffn_init(e, ctx)
         for c in range(cfg.n_chunks):
-            e = F_.w1(self._prefix_in(e, PM, (i, "w1", c)), ctx)
-            self._memory_out(e, AM, (i, "w1", c), mem_x, record)
-            e = F_.act(e, ctx)
-            self._memory_out(e, AM, (i, "act", c), mem_x, record)
-            e = F_.w2(self._prefix_in(e, PM, (i, "w2", c)), ctx)
-            self._memory_out(e, AM, (i, "w2", c), mem_x, record)
+            if cfg.mlp == "gelu":
+                e = F_.up(self._prefix_in(e, PM, (i, "up", c)), ctx)
+                self._memory_out(e, AM, (i, "up", c), mem_x, record)
+                e = F_.act(e, ctx)
+                self._memory_out(e, AM, (i, "act", c), mem_x, record)
+            else:
+                e = F_.gate_lin(self._prefix_in(e, PM, (i, "gate", c)), ctx)
+                self._memory_out(e, AM, (i, "gate", c), mem_x, record)
+                e = F_.route_a(e, ctx)
+                e = F_.up(self._prefix_in(e, PM, (i, "up", c)), ctx)
+                e = F_.glu(e, ctx)
+                self._memory_out(e, AM, (i, "glu", c), mem_ln, record)
+            e = F_.down(self._prefix_in(e, PM, (i, "down", c)), ctx)
+            self._memory_out(e, AM, (i, "down", c), mem_x, record)
             e = F_.ffn_acc(e, ctx)
         e = F_.ffn_out(e, ctx)
         return F_.res_mlp(e_in, e, ctx)
@@ -1327,9 +1425,15 @@ class TinT(nn.Module):
         e_in = e
         e = B_.ffn_init(e, ctx)
         for c in range(cfg.n_chunks):
-            e = bwd_desc(B_.w2, self._memory_in(e, AM, (i, "w2", c), mem_x), (i, "w2", c))
-            e = B_.act(self._memory_in(e, AM, (i, "act", c), mem_x), ctx)
-            e = bwd_desc(B_.w1, self._memory_in(e, AM, (i, "w1", c), mem_x), (i, "w1", c))
+            e = bwd_desc(B_.down, self._memory_in(e, AM, (i, "down", c), mem_x), (i, "down", c))
+            if cfg.mlp == "gelu":
+                e = B_.act(self._memory_in(e, AM, (i, "act", c), mem_x), ctx)
+                e = bwd_desc(B_.up, self._memory_in(e, AM, (i, "up", c), mem_x), (i, "up", c))
+            else:
+                e = B_.glu(self._memory_in(e, AM, (i, "glu", c), mem_ln), ctx)
+                e = bwd_desc(B_.gate_lin, self._memory_in(e, AM, (i, "gate", c), mem_x), (i, "gate", c))
+                e = B_.route_gu(e, ctx)
+                e = bwd_desc(B_.up, e, (i, "up", c))                # r is still in BS
             e = B_.ffn_acc(e, ctx)
         e = B_.ffn_out(e, ctx)
         e = self._memory_in(e, AM, (i, "ln2"), mem_ln)
@@ -1348,7 +1452,7 @@ class TinT(nn.Module):
     @torch.no_grad()
     def forward(self, idx, n_train, label_mask=None, return_all_logits=False):
         """idx (B, T) -> test-segment logits (B, T - n_train, V) after the in-forward update."""
-        cfg, K, D = self.cfg, self.cfg.K, self.cfg.n_embd
+        cfg, K = self.cfg, self.cfg.K
         B, T = idx.shape
         if T > cfg.block_size:
             raise ValueError(f"sequence of {T} tokens exceeds block_size={cfg.block_size}")
@@ -1398,9 +1502,9 @@ class TinT(nn.Module):
         """The auxiliary weights after the last call, decoded from the PrefixMemory: (layers, final, start)
         in tint_update's format (per-sequence tensors)."""
         cfg, PM = self.cfg, self.last_prefix_memory
-        D, Fh = cfg.n_embd, cfg.mlp_hidden
+        Fh = cfg.mlp_hidden
         start = cfg.n_layer - cfg.n_layers
-        dec = lambda key: decode_linear(PM.get(key), cfg)  # noqa: E731
+        dec = lambda key: decode_linear(PM.get(key), cfg)
         layers = []
         for i in range(start, cfg.n_layer):
             p = {}
@@ -1409,19 +1513,23 @@ class TinT(nn.Module):
             for ln, key in (("ln1", (i, "ln1")), ("ln2", (i, "ln2"))):
                 W, b = dec(key)
                 p[ln + "_w"], p[ln + "_b"] = torch.diagonal(W, dim1=1, dim2=2), b
-            ups = [dec((i, "w1", c)) for c in range(cfg.n_chunks)]
-            downs = [dec((i, "w2", c)) for c in range(cfg.n_chunks)]
-            p["w_up"] = torch.cat([w for w, _ in ups], 1)[:, :Fh]
-            p["b_up"] = torch.cat([b for _, b in ups], 1)[:, :Fh]
+            p["w_gate"] = p["b_gate"] = None
+            for name in (("up",) if cfg.mlp == "gelu" else ("up", "gate")):
+                chunks = [dec((i, name, c)) for c in range(cfg.n_chunks)]
+                p["w_" + name] = torch.cat([w for w, _ in chunks], 1)[:, :Fh]
+                p["b_" + name] = torch.cat([b for _, b in chunks], 1)[:, :Fh]
+            downs = [dec((i, "down", c)) for c in range(cfg.n_chunks)]
             p["w_down"] = torch.cat([w for w, _ in downs], 2)[:, :, :Fh]
             p["b_down"] = sum(b for _, b in downs)
             if not cfg.bias:
-                for k in ("bq", "bk", "bv", "bo", "ln1_b", "ln2_b", "b_up", "b_down"):
+                for k in ("bq", "bk", "bv", "bo", "b_up", "b_down", "b_gate"):
                     p[k] = None
-            p["w_gate"] = p["b_gate"] = None
+            if not cfg.bias or cfg.norm == "rmsnorm":
+                p["ln1_b"] = p["ln2_b"] = None
             layers.append(p)
         W, b = dec(("lnf",))
-        final = {"lnf_w": torch.diagonal(W, dim1=1, dim2=2), "lnf_b": b if cfg.bias else None}
+        final = {"lnf_w": torch.diagonal(W, dim1=1, dim2=2),
+                 "lnf_b": b if cfg.bias and cfg.norm == "layernorm" else None}
         return layers, final, start
 
     def num_params(self):
@@ -1433,10 +1541,10 @@ class TinT(nn.Module):
 def tint_param_formula(cfg: SimConfig):
     """Exact parameter count of our construction, per primitive (I10). Returns a dict with the parts
     and "total"."""
-    D_s, H, K, P, S = cfg.D_s, cfg.H_L, cfg.K, cfg.P, cfg.S
+    D_s, H, K, P = cfg.D_s, cfg.H_L, cfg.K, cfg.P
     Hs, ds = cfg.H_soft, cfg.D_s // cfg.H_soft
     dim = K * H * H                                        # one "dim" H-split stage on the H_L x K grid
-    gate = lambda n: P + 2 * n * D_s                       # noqa: E731
+    gate = lambda n: P + 2 * n * D_s
     lin_attn = 4 * dim + 3 * P * K + 3 * H                 # 4 maps + 3 position maps + lambda gates
     route = dim + gate(2)
     linear = lin_attn + gate(2)
@@ -1445,13 +1553,22 @@ def tint_param_formula(cfg: SimConfig):
     norm = gate(2)
     act_fwd = gate(2)
     act_bwd = 2 * dim + gate(2)
-    softmax = 4 * (2 * ds * Hs * Hs + Hs * ds * ds) + 3 * P * ds + 3 * Hs + gate(2)
+    softmax = (4 * (2 * ds * Hs * Hs + Hs * ds * ds) + 3 * P * ds + 3 * Hs + gate(2)
+               + (P * cfg.head_dim if cfg.pos == "rope" else 0))   # RoPE cos / sin tables
     residual = gate(2)
+    glu_fwd = 2 * dim + gate(2)
+    glu_bwd = 3 * dim + gate(2)
     ln_fwd = route + norm + linear
-    ln_bwd = (bwd_desc if cfg.bias else bwd_only) + 2 * route + norm
+    ln_bwd = (bwd_desc if cfg.bias and cfg.norm == "layernorm" else bwd_only) + 2 * route + norm
+    if cfg.mlp == "gelu":   # up (tap + linear), act (tap + MLP) | backward: up, act
+        ffn_fwd = (route + linear) + (route + act_fwd)
+        ffn_bwd = act_bwd + bwd_desc
+    else:                   # gate (tap + linear), route, up, glu (tap + GLU) | backward: glu, gate, route, up
+        ffn_fwd = (route + linear) + route + linear + (route + glu_fwd)
+        ffn_bwd = glu_bwd + bwd_desc + route + bwd_desc
     fwd_layer = (2 * ln_fwd + route + linear + 2 * route + softmax + (route + linear) + residual
-                 + route + (route + linear) + (route + act_fwd) + (route + linear) + 2 * route + residual)
-    bwd_layer = (bwd_desc + act_bwd + bwd_desc + 3 * route + ln_bwd + residual
+                 + route + ffn_fwd + (route + linear) + 2 * route + residual)
+    bwd_layer = (bwd_desc + ffn_bwd + 3 * route + ln_bwd + residual
                  + bwd_desc + softmax + bwd_desc + ln_bwd + residual)
     forward = cfg.n_layer * fwd_layer + ln_fwd
     backward = cfg.n_layers * bwd_layer + ln_bwd
@@ -1472,3 +1589,91 @@ def paper_param_formula(D_aux, n_layer, T_aux, H_sim=12, K=None, D_sim=None):
     desc = 7 * Q * n_layer
     return {"Q_split": Q_split, "Q": Q, "forward": fwd, "backward": bwd, "descent": desc,
             "total": fwd + bwd + desc}
+
+
+# ============================================================================ benchmark
+
+def benchmark(n_embd=768, n_layer=12, n_head=12, seq_len=1024, frac=0.5, batch_size=1, reps=3, lr=1e-4,
+              dtype=torch.float32, device=None):
+    """Simulator vs auxiliary forward (and the reference update) for a GPT-2-shaped auxiliary model:
+    parameters, peak memory and time. Returns a dict (also printed as a table)."""
+    import time
+
+    from model.gpt import GPT, GPTConfig
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=50304, block_size=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                    norm="layernorm", mlp="gelu", pos="learned", bias=True)
+    aux = GPT(cfg).to(device, dtype).eval()
+    idx = torch.randint(0, 50257, (batch_size, seq_len), device=device)
+    n_train = int(frac * seq_len)
+
+    def timed(fn):
+        times, out = [], None
+        for _ in range(reps + 1):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return out, sorted(times[1:])[len(times[1:]) // 2]
+
+    def peak(fn):
+        if not cuda:
+            return fn(), float("nan")
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = fn()
+        torch.cuda.synchronize()
+        return out, (torch.cuda.max_memory_allocated() - base) / 2 ** 30
+
+    res = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype), "T": seq_len,
+           "n_train": n_train, "batch": batch_size, "aux_params": aux.num_params()}
+    with torch.no_grad():
+        aux_logits, res["aux_forward_s"] = timed(lambda: aux(idx)[0])
+        _, res["aux_forward_peak_GiB"] = peak(lambda: aux(idx)[0])
+        ref, res["tint_ref_s"] = timed(lambda: tint_reference(aux, idx, n_train, lr=lr))
+        _, res["tint_ref_peak_GiB"] = peak(lambda: tint_reference(aux, idx, n_train, lr=lr))
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_allocated() if cuda else 0
+        sim = TinT.from_model(aux, lr=lr)
+        res["sim_build_s"] = time.perf_counter() - t0
+        res["sim_weights_GiB"] = ((torch.cuda.memory_allocated() - mem0) / 2 ** 30) if cuda else float("nan")
+        res["sim_params"] = sim.num_params()
+        res["sim_params_formula"] = tint_param_formula(sim.cfg)["total"]
+        res["paper_formula_params"] = int(paper_param_formula(n_embd, n_layer, seq_len, H_sim=sim.cfg.H_L,
+                                                              K=sim.cfg.K, D_sim=sim.cfg.D_s)["total"])
+        out, res["sim_forward_s"] = timed(lambda: sim(idx, n_train))
+        _, res["sim_forward_peak_GiB"] = peak(lambda: sim(idx, n_train))
+        res["max_abs_logit_diff_sim_vs_ref"] = (out - ref).abs().max().item()
+        res["max_abs_logit_change_ref_vs_vanilla"] = (ref - aux_logits[:, n_train - 1:-1]).abs().max().item()
+    res["sim_over_aux_forward_time"] = res["sim_forward_s"] / res["aux_forward_s"]
+    res["ref_over_aux_forward_time"] = res["tint_ref_s"] / res["aux_forward_s"]
+    res["sim_over_ref_time"] = res["sim_forward_s"] / res["tint_ref_s"]
+    for k, v in res.items():
+        print(f"{k:<36} {v:.4g}" if isinstance(v, float) else f"{k:<36} {v}")
+    return res
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    ap = argparse.ArgumentParser(description="TinT simulator benchmark (GPT-2-shaped auxiliary model)")
+    ap.add_argument("--n-embd", type=int, default=768)
+    ap.add_argument("--n-layer", type=int, default=12)
+    ap.add_argument("--n-head", type=int, default=12)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--dtype", choices=["fp32", "fp64"], default="fp32")
+    ap.add_argument("--json", default=None, help="write the results here")
+    a = ap.parse_args()
+    r = benchmark(a.n_embd, a.n_layer, a.n_head, a.seq_len, batch_size=a.batch_size, reps=a.reps,
+                  dtype=torch.float64 if a.dtype == "fp64" else torch.float32)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)

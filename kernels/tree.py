@@ -1,0 +1,408 @@
+"""Tree attention: exact decode attention over a KV cache sharded along the sequence axis.
+
+Spec: shared/spec/tree_attention.md (Shyam et al., "Tree Attention", arXiv 2408.04093).
+
+Every rank of a sequence-parallel group holds the same query (the replicated decode stream: every
+rank runs the same token through the same weights) and its own slice of the cache. Each rank
+attends to its slice alone and keeps a tiny partial state: the normalised output o_r and the
+natural-log log-sum-exp lse_r of its logits, both fp32. Partial states merge exactly,
+    lse = logaddexp(lse_a, lse_b),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b,
+and the merge is associative and commutative, so collectives can evaluate it. K/V never move.
+
+Shapes: q (B, Hq, n, D); k_local, v_local (B, Hkv, t, D) with Hq % Hkv == 0 (GQA: query head h
+reads KV head h // (Hq // Hkv)); n query tokens per step (1 for plain decode); t local positions,
+t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 by default.
+
+  tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
+              combine="gather", impl="auto", return_lse=False)
+      -> out (B, Hq, n, D) in q.dtype [, lse (B, Hq, n) fp32]: attention over the union of all
+         ranks' slices, bitwise identical on every rank. No group, or a group of one rank:
+         exactly the local result and no collective.
+  attn_partial(q, k, v, *, scale=None, bias=None, impl="auto") -> (out, lse), fp32:
+      the local step, over the given keys only. Empty or fully masked rows: out 0, lse NEG.
+  tree_merge(out, lse, group=None, *, combine="gather") -> (out, lse) merged over the group.
+      combine="paper":  all-reduce MAX of lse, then SUM of numerators and SUM of denominators;
+      combine="packed": all-reduce MAX, then one SUM of [numerator | denominator];
+      combine="gather": one all-gather of [out | lse], then each rank merges in rank order.
+      "gather" is the default: one collective; on 2 H200s the three are within a few µs of each
+      other (scripts/bench_tree.py), all far below the local attention at long contexts.
+  merge_states(out, lse) -> merge of partial states stacked along dim 0, on one device.
+  ring_decode / allgather_decode: the baselines (move K/V instead of states), same signature.
+
+bias is any additive per-(query, key) logit term, broadcastable to (B, Hq, n, t), -inf excludes
+a key. It covers every attention variant of this repo, because each variant's logit for a cached
+position is computed from that position's own cached data and the replicated query:
+  baseline   bias_local=None, or mask_bias(q_pos, k_pos) for padded slots, the causal mask inside
+             a multi-token chunk, or a sliding window (positions are global).
+  FoX        bias_local=fox_bias(c_local), i.e. -c_j with c the *global* cumulative log forget
+             gate stored with each cached key. The query's own c_i is common to every key and
+             cancels in the softmax (the returned lse then lacks +c_i). Build c for a sharded
+             prompt with sharded_cumsum; rebase c by subtracting the same constant on all ranks.
+  CASTLE     every rank first adds the new token's term to the lookahead keys of its own rows
+             (castle_update), the owner appends (u=0, q^U, k^C, v^C), then
+             bias_local=castle_bias(qc, u_local, scale=scale) = -SiLU(scale * qc.u_j), with q, k, v
+             the causal qc, kc, vc. Holds for CASTLE-SWL (window on global positions); n = 1 only,
+             since each query of a chunk would see a different U.
+Whatever acts on a head's output (FoX-Pro output norm and gate, W_O) goes after the merge.
+
+Model code, one decode step of a layer on every rank of the sequence-parallel group `sp`:
+    q, k, v = qkv(x)                                   # replicated, RoPE at the global position
+    if owns_new_token: cache.append(k, v)              # e.g. the last rank, or round-robin pages
+    y = tree_decode(q, cache.k, cache.v, group=sp)     # FoX / CASTLE: add bias_local as above
+"""
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the torch path still works
+    triton = None
+
+NEG = -1e30  # finite "log 0": exp(NEG - x) is exactly 0, where exp(-inf - -inf) would be NaN
+COMBINES = ("paper", "packed", "gather")
+
+
+# ----------------------------------------------------------------------------- process groups
+
+def _world(group):
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def _all_gather(x, group):
+    """(p, *x.shape): every rank's x, in rank order (one all-gather)."""
+    out = x.new_empty((_world(group) * x.shape[0],) + x.shape[1:])
+    _gather_into(out, x.contiguous(), group=group)
+    return out.view((-1,) + x.shape)
+
+
+# renamed in torch 2.13; the old name still works and is all older versions have
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _peer(group, group_rank):
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
+
+
+# ----------------------------------------------------------------------------- local attention
+
+def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto"):
+    """Local step: softmax(scale * q k^T + bias) v over the given keys, and its log-sum-exp.
+
+    Returns (out (B, Hq, n, D), lse (B, Hq, n)) in fp32 (fp64 for fp64 inputs).
+    impl: "torch" (reference), "triton" (split-KV flash-decoding kernel), "auto" (Triton on CUDA).
+    """
+    B, Hq, n, D = q.shape
+    Hkv, t = k.shape[1], k.shape[2]
+    assert Hq % Hkv == 0 and v.shape[:3] == k.shape[:3], (q.shape, k.shape, v.shape)
+    scale = D ** -0.5 if scale is None else scale
+    stat = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if t == 0:  # empty shard: the merge identity
+        return q.new_zeros(B, Hq, n, v.shape[-1], dtype=stat), q.new_full((B, Hq, n), NEG, dtype=stat)
+    if impl == "auto":
+        impl = "triton" if q.is_cuda and triton is not None and stat == torch.float32 else "torch"
+    if impl == "triton":
+        return _attn_partial_triton(q, k, v, scale, bias)
+    return _attn_partial_torch(q, k, v, scale, bias, stat)
+
+
+def _attn_partial_torch(q, k, v, scale, bias, stat):
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    # fold the g query heads of a KV group into rows so K/V are never repeated
+    qg = q.to(stat).reshape(B, Hkv, Hq // Hkv * n, D)
+    s = (qg @ k.to(stat).transpose(-1, -2)).view(B, Hq, n, -1) * scale
+    if bias is not None:
+        s = s + bias.to(stat)
+    m = s.amax(-1, keepdim=True).clamp_min(NEG)  # a fully masked row has max -inf
+    p = torch.exp(s - m)
+    den = p.sum(-1)
+    out = (p.view(B, Hkv, -1, s.shape[-1]) @ v.to(stat)).view(B, Hq, n, -1)
+    out = out / den.clamp_min(torch.finfo(stat).tiny).unsqueeze(-1)
+    lse = torch.where(den > 0, m.squeeze(-1) + den.log(), NEG)
+    return out, lse
+
+
+def merge_states(out, lse):
+    """Merge partial states stacked along dim 0: out (S, ..., D), lse (S, ...) -> (..., D), (...).
+
+    Uses the max lse as reference, so every weight is <= 1 and the denominator >= 1.
+    """
+    ref = lse.amax(0)
+    w = torch.exp(lse - ref)  # 0 for empty states, 1 for the arg-max state
+    den = w.sum(0)
+    return (w.unsqueeze(-1) * out).sum(0) / den.unsqueeze(-1), ref + den.log()
+
+
+# ----------------------------------------------------------------------------- the combine
+
+def tree_merge(out, lse, group=None, *, combine="gather"):
+    """Exact merge of every rank's partial state (out fp32 (..., D), lse fp32 (...)).
+
+    Returns the merged (out, lse), bitwise identical on every rank (all-reduce returns one
+    buffer to all ranks; the gather path merges the same buffer in the same order everywhere).
+    """
+    assert combine in COMBINES, combine
+    p = _world(group)
+    if p == 1:
+        return out, lse
+    if combine == "gather":
+        states = _all_gather(torch.cat([out, lse.unsqueeze(-1)], -1), group)
+        return merge_states(states[..., :-1], states[..., -1])
+    ref = lse.clone()
+    dist.all_reduce(ref, op=dist.ReduceOp.MAX, group=group)
+    w = torch.exp(lse - ref).unsqueeze(-1)
+    if combine == "packed":
+        buf = torch.cat([w * out, w], -1)
+        dist.all_reduce(buf, group=group)
+        num, den = buf[..., :-1], buf[..., -1:]
+    else:  # the paper's Algorithm 3: numerator and denominator reduced separately
+        num, den = w * out, w.clone()
+        dist.all_reduce(num, group=group)
+        dist.all_reduce(den, group=group)
+    return num / den, ref + den.squeeze(-1).log()
+
+
+def tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
+                combine="gather", impl="auto", return_lse=False):
+    """Exact attention of the replicated query q over the union of every rank's (k_local, v_local).
+
+    See the module docstring for shapes, bias_local and the combine options.
+    """
+    out, lse = attn_partial(q, k_local, v_local, scale=scale, bias=bias_local, impl=impl)
+    out, lse = tree_merge(out, lse, group, combine=combine)
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+# ----------------------------------------------------------------------------- baselines
+
+def _blocks(q, k, v, bias, group):
+    """This rank's block padded to the longest shard, plus every rank's length (one host sync)."""
+    lens = _all_gather(torch.tensor([k.shape[2]], device=k.device), group).squeeze(-1).tolist()
+    pad = max(lens) - k.shape[2]
+    block = [F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))] if pad else [k, v]
+    if bias is not None:  # the bias of a key travels with the key
+        block.append(F.pad(bias.float().expand(q.shape[:3] + (k.shape[2],)), (0, pad)))
+    return [x.contiguous() for x in block], lens
+
+
+def _attend_block(q, block, length, scale, impl):
+    k, v = block[0][:, :, :length], block[1][:, :, :length]
+    bias = block[2][..., :length] if len(block) > 2 else None
+    return attn_partial(q, k, v, scale=scale, bias=bias, impl=impl)
+
+
+def _finish(q, states, return_lse):
+    out, lse = merge_states(torch.stack([s[0] for s in states]), torch.stack([s[1] for s in states]))
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)
+
+
+def ring_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None, impl="auto",
+                return_lse=False):
+    """Ring-attention decode (the paper's baseline): p - 1 rounds pass the K/V blocks around the
+    ring, each overlapped with attention on the block in hand. States are merged in rank order at
+    the end, so every rank gets the same bits."""
+    p = _world(group)
+    if p == 1:
+        return tree_decode(q, k_local, v_local, scale=scale, bias_local=bias_local, impl=impl,
+                           return_lse=return_lse)
+    r = dist.get_rank(group)
+    block, lens = _blocks(q, k_local, v_local, bias_local, group)
+    # receive buffers, used alternately; the caller's cache (block at step 0) is never written
+    recv = [[torch.empty_like(x) for x in block] for _ in range(min(2, p - 1))]
+    states = [None] * p
+    src = r
+    for step in range(p):
+        if step < p - 1:  # send what we hold to the next rank, receive the previous rank's
+            nxt = recv[step % 2]
+            ops = [dist.P2POp(dist.isend, x, _peer(group, (r + 1) % p), group) for x in block]
+            ops += [dist.P2POp(dist.irecv, x, _peer(group, (r - 1) % p), group) for x in nxt]
+            reqs = dist.batch_isend_irecv(ops)
+        states[src] = _attend_block(q, block, lens[src], scale, impl)
+        if step < p - 1:
+            for req in reqs:
+                req.wait()
+            block, src = nxt, (src - 1) % p
+    return _finish(q, states, return_lse)
+
+
+def allgather_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
+                     impl="auto", return_lse=False):
+    """All-gather the whole cache onto every rank, then attend locally (context-parallel style)."""
+    p = _world(group)
+    if p == 1:
+        return tree_decode(q, k_local, v_local, scale=scale, bias_local=bias_local, impl=impl,
+                           return_lse=return_lse)
+    block, lens = _blocks(q, k_local, v_local, bias_local, group)
+    gathered = [_all_gather(x, group) for x in block]
+    states = [_attend_block(q, [g[i] for g in gathered], lens[i], scale, impl) for i in range(p)]
+    return _finish(q, states, return_lse)
+
+
+# ----------------------------------------------------------------------------- variant logits
+
+def mask_bias(q_pos, k_pos, *, window=None):
+    """0 where a query at global position i may see a key at global position j, -inf elsewhere:
+    0 <= j <= i (a negative k_pos marks an empty cache slot) and, with a window W, i - j < W.
+
+    q_pos (n,) or (B, n), k_pos (t,) or (B, t), integer -> fp32 (1 or B, 1, n, t).
+    """
+    qp, kp = q_pos.unsqueeze(-1), k_pos.unsqueeze(-2)
+    ok = (kp >= 0) & (kp <= qp)
+    if window is not None:
+        ok &= kp > qp - window
+    bias = torch.zeros(ok.shape, device=ok.device).masked_fill(~ok, float("-inf"))
+    return bias.unsqueeze(-3) if bias.dim() == 3 else bias[None, None]
+
+
+def fox_bias(c_local):
+    """FoX logits  s q_i.k_j + c_i - c_j : the per-key part -c_j, (B, H, t) -> (B, H, 1, t) fp32.
+
+    c_local holds the global cumulative log forget gates of the local keys (any common offset)."""
+    return -c_local.float().unsqueeze(-2)
+
+
+def sharded_cumsum(x_local, group=None):
+    """Inclusive cumsum along the last axis of a sequence split contiguously over ranks 0..p-1
+    (rank r holds the slice after rank r-1's): builds FoX's global c for a sharded prompt.
+    One all-gather of the shard totals; accumulated in fp64, returned in x's dtype."""
+    c = x_local.double().cumsum(-1)
+    if _world(group) == 1:
+        return c.to(x_local.dtype)
+    total = c[..., -1] if c.shape[-1] else c.new_zeros(c.shape[:-1])
+    totals = _all_gather(total, group)
+    offset = totals[: dist.get_rank(group)].sum(0)
+    return (c + offset.unsqueeze(-1)).to(x_local.dtype)
+
+
+def castle_update(u_local, qu_local, ku, vu, *, pos, k_pos=None, window=None, scale=None):
+    """CASTLE's lookahead-key update for the new token at global position `pos`, on this rank's
+    rows only (castle.md §4.1, eq 13): u_s += sigmoid(scale q^U_s.k^U_pos) v^U_pos for cached
+    positions s < pos (CASTLE-SWL: also s >= pos - window). In place; returns u_local.
+
+    u_local, qu_local (B, H, t, D); ku, vu (B, H, 1, D) of the new token; k_pos (t,) or (B, t)
+    global positions of the local rows (needed with a window; negative = empty slot).
+    Call it on every rank before appending the new row and before castle_bias.
+    """
+    scale = qu_local.shape[-1] ** -0.5 if scale is None else scale
+    w = torch.sigmoid(scale * (qu_local.float() @ ku.float().transpose(-1, -2)))  # (B, H, t, 1)
+    if k_pos is not None:
+        ok = (k_pos >= 0) & (k_pos < pos)
+        if window is not None:
+            ok &= k_pos >= pos - window
+        w = w * ok.unsqueeze(-1).unsqueeze(-3 if ok.dim() == 2 else 0)
+    else:
+        assert window is None, "a window needs the global positions k_pos"
+    return u_local.add_((w * vu.float()).to(u_local.dtype))
+
+
+def castle_bias(qc, u_local, *, scale=None):
+    """CASTLE's per-key logit term -SiLU(scale q^C.u_s) (castle.md §1.4): (B, H, t) -> (B, H, n, t).
+    Add it to the causal logits scale q^C.k^C_s by passing it as bias_local with q=qc."""
+    scale = qc.shape[-1] ** -0.5 if scale is None else scale
+    return -F.silu(scale * (qc.float() @ u_local.float().transpose(-1, -2)))
+
+
+# ----------------------------------------------------------------------------- Triton kernel
+
+if triton is not None:
+    _NEG = tl.constexpr(NEG)  # jit code may only read constexpr globals
+
+    @triton.jit
+    def _decode_kernel(Q, K, V, Bias, Out, LSE,
+                       sqb, sqh, sqn, skb, skh, skl, svb, svh, svl,
+                       sbb, sbh, sbn, sbl, sob, soh, son, sos, slb, slh, sln, sls,
+                       Hkv, n, rows_per_kv, L, scale,
+                       D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                       BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PREC: tl.constexpr):
+        # one program: one split of the keys x one KV head x a block of its query rows;
+        # a row is (query head of the group, query token), so K/V tiles are read once per group
+        split, bh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, hk = (bh // Hkv).to(tl.int64), (bh % Hkv).to(tl.int64)  # caches exceed 2**31 elements
+        rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < rows_per_kv
+        h = hk * (rows_per_kv // n) + rows // n
+        i = rows % n
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqn + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], _NEG, tl.float32)  # finite start: all-masked tiles give p = 0
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for it in range(TILES):  # constexpr trip count (see _attn_partial_triton)
+            j = (split * TILES + it) * BLOCK_N + tl.arange(0, BLOCK_N)
+            j_ok = j < L
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            jl = j.to(tl.int64)[:, None]
+            k = tl.load(K + b * skb + hk * skh + jl * skl + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            if HAS_BIAS:
+                s += tl.load(Bias + b * sbb + h[:, None] * sbh + i[:, None] * sbn + j[None, :] * sbl,
+                             mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * svb + hk * svh + jl * svl + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), _NEG)
+        tl.store(Out + b * sob + h[:, None] * soh + i[:, None] * son + split * sos + d[None, :], out,
+                 mask=row_ok[:, None] & d_ok[None, :])
+        tl.store(LSE + b * slb + h * slh + i * sln + split * sls, lse, mask=row_ok)
+
+
+@functools.lru_cache
+def _num_sms(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def _attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4,
+                         num_stages=3):
+    B, Hq, n, D = q.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    rows = Hq // Hkv * n
+    BLOCK_M = min(64, max(16, triton.next_power_of_2(rows)))
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    # 128-key tiles for 16-bit caches read fastest on an H200 (scripts/bench_tree.py --sweep);
+    # fp32 and large row blocks keep smaller tiles to fit shared memory and registers
+    wide = q.element_size() == 2 and BLOCK_M == 16 and BLOCK_D <= 128
+    BLOCK_N = block_n or (128 if wide else 64 if BLOCK_D <= 128 else 32)
+    m_blocks = triton.cdiv(rows, BLOCK_M)
+    tiles = triton.cdiv(L, BLOCK_N)
+    if num_splits is None:  # flash-decoding: enough programs to fill the GPU a few times over
+        num_splits = triton.cdiv(4 * _num_sms(q.device), B * Hkv * m_blocks)
+    # tiles per split is a power of two and a compile-time constant: one compilation per octave
+    # of cache length, and no loop with a run-time bound (which TRITON_INTERPRET=1 mishandles
+    # with numpy >= 2.4)
+    split_tiles = triton.next_power_of_2(triton.cdiv(tiles, num_splits))
+    num_splits = triton.cdiv(tiles, split_tiles)
+    o = q.new_empty(B, Hq, n, num_splits, D, dtype=torch.float32)
+    lse = q.new_empty(B, Hq, n, num_splits, dtype=torch.float32)
+    if bias is not None:
+        bias = bias.float().expand(B, Hq, n, L)  # broadcast dims keep stride 0
+    bstrides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    _decode_kernel[(num_splits, B * Hkv, m_blocks)](
+        q, k, v, bias if bias is not None else q, o, lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bstrides,
+        *o.stride()[:4], *lse.stride(),
+        Hkv, n, rows, L, scale,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILES=split_tiles,
+        HAS_BIAS=bias is not None,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        num_stages=num_stages)
+    if num_splits == 1:
+        return o.squeeze(3), lse.squeeze(3)
+    return merge_states(o.movedim(3, 0), lse.movedim(3, 0))
