@@ -74,12 +74,13 @@ class GPTLM(TemplateLM):
         rows, n_cont = [], []
         for _, context, continuation in requests:
             if len(continuation) > self.max_length:
-                raise ValueError(f"continuation of {len(continuation)} tokens does not fit max_length={self.max_length}")
+                raise ValueError(f"continuation of {len(continuation)} tokens does not fit "
+                                 f"max_length={self.max_length}")
             rows.append((context + continuation)[-(self.max_length + 1):])   # inputs are rows[:-1]
             n_cont.append(len(continuation))
-        results = [None] * len(rows)
-        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
-        with tqdm(total=len(rows), desc="loglikelihood", disable=disable_tqdm) as bar:
+        results = [(0.0, True)] * len(rows)          # an empty continuation has probability 1
+        order = sorted((i for i in range(len(rows)) if n_cont[i]), key=lambda i: -len(rows[i]))
+        with tqdm(total=len(order), desc="loglikelihood", disable=disable_tqdm) as bar:
             for batch in self._batches(order, rows):
                 for i, result in zip(batch, self._score([rows[i] for i in batch], [n_cont[i] for i in batch])):
                     results[i] = result
@@ -99,18 +100,20 @@ class GPTLM(TemplateLM):
 
     @torch.no_grad()
     def _score(self, rows, n_cont):
-        idx = torch.zeros(len(rows), max(map(len, rows)) - 1, dtype=torch.long)
-        for b, row in enumerate(rows):
-            idx[b, :len(row) - 1] = torch.tensor(row[:-1])
-        logits, _ = self.model(idx.to(self.device))
-        scores = []
-        for b, (row, n) in enumerate(zip(rows, n_cont)):
-            end = len(row) - 1          # logits[end - n:end] predict the n continuation tokens
-            logp = F.log_softmax(logits[b, end - n:end].float(), dim=-1)
-            target = torch.tensor(row[len(row) - n:], device=logp.device)
-            scores.append(torch.stack([logp.gather(-1, target[:, None]).sum(),
-                                       (logp.argmax(-1) == target).all().float()]))
-        return [(ll, bool(greedy)) for ll, greedy in torch.stack(scores).tolist()]
+        """One forward pass over right-padded rows; every continuation token scored in one gather."""
+        width = max(map(len, rows)) - 1
+        idx = torch.tensor([row[:-1] + [0] * (width + 1 - len(row)) for row in rows], device=self.device)
+        # every continuation token: its row, the input position whose logits predict it, the token itself
+        owner = [b for b, n in enumerate(n_cont) for _ in range(n)]
+        pos = [len(row) - 1 - n + j for row, n in zip(rows, n_cont) for j in range(n)]
+        target = [t for row, n in zip(rows, n_cont) for t in row[len(row) - n:]]
+        owner, pos, target = (torch.tensor(v, device=self.device) for v in (owner, pos, target))
+        logits, _ = self.model(idx)
+        logp = F.log_softmax(logits[owner, pos].float(), dim=-1)
+        ll = torch.zeros(len(rows), dtype=torch.float64, device=self.device)
+        ll.index_add_(0, owner, logp.gather(-1, target[:, None]).squeeze(1).double())
+        misses = torch.zeros(len(rows), device=self.device).index_add_(0, owner, (logp.argmax(-1) != target).float())
+        return [(value, miss == 0) for value, miss in zip(ll.tolist(), misses.tolist())]
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
         """Log-likelihood of whole texts in disjoint windows of max_length tokens; the first
@@ -212,7 +215,8 @@ def paper_row(preset, results):
     """
     row = {}
     for title, task, metric in preset.columns:
-        found = [results[t][f"{metric},none"] for t in (task, f"local_{task}") if f"{metric},none" in results.get(t, {})]
+        key = f"{metric},none"
+        found = [results[t][key] for t in (task, f"local_{task}") if key in results.get(t, {})]
         row[title] = None if not found else found[0] if "perplexity" in metric else 100 * found[0]
     if preset.average:
         accuracies = [row[title] for title, _, metric in preset.columns if "perplexity" not in metric]
@@ -233,7 +237,8 @@ def write_local_tasks(dest, root):
     dest = Path(dest)
     shutil.copytree(TASKS_DIR, dest, ignore=shutil.ignore_patterns("__pycache__"), dirs_exist_ok=True)
     for path in dest.rglob("*.yaml"):
-        path.write_text(path.read_text().replace("${EVAL_DATA}", str(root)).replace("${LM_EVAL_TASKS}", str(LM_EVAL_TASKS)))
+        text = path.read_text().replace("${EVAL_DATA}", str(root))
+        path.write_text(text.replace("${LM_EVAL_TASKS}", str(LM_EVAL_TASKS)))
     for official in sorted((LM_EVAL_TASKS / "mmlu" / "default").glob("mmlu_*.yaml")):
         subject = official.stem.removeprefix("mmlu_")
         files = {split: str(root / "mmlu" / "hf_arrow" / subject / split / "data-00000-of-00001.arrow")
@@ -320,12 +325,14 @@ def run_lm_eval(model, ctx):
                         "add_bos": lm.add_bos, "limit": c.limit, "tasks": names}}
     with tempfile.TemporaryDirectory() as tmp:
         include = [str(write_local_tasks(tmp, root))] + ([str(c.include_path)] if c.include_path else [])
-        task_manager = lm_eval.tasks.TaskManager(include_path=include)
+        official = any(not name.startswith("local_") for name in names)    # indexing lm-eval's own tasks takes seconds
+        task_manager = lm_eval.tasks.TaskManager(include_path=include, include_defaults=official)
         for k in shots:
             objects, not_loaded = load_tasks(task_manager, names)   # fresh tasks: num_fewshot sticks to a task
             skipped.update(not_loaded)
             if objects:
-                out[f"{k}-shot" if k is not None else "task-default-shots"] = harness_run(lm, objects, k, c, task_manager, preset)
+                key = f"{k}-shot" if k is not None else "task-default-shots"
+                out[key] = harness_run(lm, objects, k, c, task_manager, preset)
     for name, reason in skipped.items():
         print(f"lm_eval: skipped {name}: {reason}")
     out["skipped"] = skipped

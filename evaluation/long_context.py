@@ -93,8 +93,8 @@ def sequence_length(model, c, data_cfg, train_len):
     learned positions stops at its block_size."""
     T = c.seq_len or data_cfg.get("val_seq_len") or 4 * train_len
     if model.config.pos == "learned" and T > model.config.block_size:
-        print(f"long_context: learned positions end at {model.config.block_size}; seq_len {T} -> {model.config.block_size}")
         T = model.config.block_size
+        print(f"long_context: the model's learned positions end at {T}; seq_len set to {T}")
     return T
 
 

@@ -38,7 +38,7 @@ DEFAULT_BOOKS = REPO.parent / "shared" / "data" / "books" / "eltec_eng"
 def grid_lengths(c, train_len):
     if c.lengths:
         return [int(l) for l in c.lengths]
-    return [int(round(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)]
+    return sorted({round(float(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)})
 
 
 def haystack(tokenizer, books_dir, n_tokens):
@@ -67,7 +67,8 @@ def greedy_continuations(model, tokenizer, prompts, max_new_tokens, batch_size, 
         idx = torch.tensor(prompts[start:start + batch_size], device=device)
         new = model.generate(idx, max_new_tokens, temperature=0, eot_token=tokenizer.eot_token)[:, idx.size(1):]
         for row in new.tolist():
-            answers.append(tokenizer.decode(row[:row.index(tokenizer.eot_token)] if tokenizer.eot_token in row else row))
+            end = row.index(tokenizer.eot_token) if tokenizer.eot_token in row else len(row)
+            answers.append(tokenizer.decode(row[:end]))
     return answers
 
 
@@ -93,14 +94,14 @@ def plot_heatmap(grid, lengths, depths, train_len, title, png):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(1 + 0.6 * len(lengths), 1 + 0.4 * len(depths)))
+    fig, ax = plt.subplots(figsize=(3 + 0.6 * len(lengths), 2 + 0.4 * len(depths)))
     image = ax.imshow(grid, cmap="RdYlGn", vmin=1, vmax=10, aspect="auto")
     ax.set_xticks(range(len(lengths)), [str(l) for l in lengths], rotation=45)
     ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
     if lengths[0] <= train_len <= lengths[-1]:
         ax.axvline(np.interp(train_len, lengths, range(len(lengths))), ls="--", c="black", lw=1)
     ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=title)
-    fig.colorbar(image, ax=ax, label="score (10 = answer found, 1 = not)")
+    fig.colorbar(image, ax=ax, label="score (10: answer found, 1: not)")
     fig.savefig(png, dpi=150, bbox_inches="tight")
     plt.close(fig)
 

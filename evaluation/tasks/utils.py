@@ -40,7 +40,7 @@ def hellaswag_from_text(dataset):
     removed; lm-eval writes ctx_b capitalized, which we approximate by capitalizing the fragment after
     the last sentence end (ctx_a and ctx_b are not separable in this copy).
     """
-    lines = dataset["text"]
+    lines = dataset["text"][:]                  # a plain list (a Column reads row by row)
     if len(lines) % 6:
         raise ValueError(f"HellaSwag text copy has {len(lines)} lines, not a multiple of 6")
     items = [lines[i:i + 6] for i in range(0, len(lines), 6)]
@@ -64,7 +64,7 @@ def clean(text):
 def wikitext_pages(dataset):
     """WikiText-2 line file -> one document per article ({page}), like wikitext_document_level."""
     pages = []
-    for line in dataset["text"]:
+    for line in dataset["text"][:]:
         if WIKITEXT_TITLE.match(line):
             pages.append([])
         if pages:                      # blank lines before the first title are dropped

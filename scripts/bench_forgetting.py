@@ -1,0 +1,146 @@
+"""Benchmark Forgetting Attention (kernels/forgetting.py) against its peers on one GPU.
+
+Side by side, median CUDA-event timings (triton.testing.do_bench) of the forward and of
+forward+backward for:
+  - ours: forgetting_attn(impl="triton");
+  - the torch reference (materialized L x L), skipped when it would not fit in memory;
+  - fla-core's parallel_forgetting_attn, when `fla` is importable (its native (B, L, H, D) layout);
+  - SDPA causal with the FlashAttention backend: plain attention, no gate, the speed yardstick.
+TFLOP/s count the causal matmul FLOPs only, FlashAttention's convention: forward 2*B*H*L^2*D,
+forward+backward 3.5x that, the same for every implementation.
+
+    python scripts/bench_forgetting.py --L 2048 4096 8192 16384 --D 64 128 --dtype bf16
+
+On an H100 one head dim over the four lengths takes about 2-3 minutes (compilation and
+autotuning of every implementation included); `--show-tuning` prints every config's time.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import forgetting  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+OURS, REF, FLA, SDPA = ("FoX Triton (ours)", "FoX torch reference", "fla-core parallel_forgetting_attn",
+                        "SDPA flash causal (no gate)")
+
+
+def load_fla():
+    try:
+        from fla.ops.forgetting_attn.parallel import parallel_forgetting_attn
+        return parallel_forgetting_attn, None
+    except Exception as e:  # not installed, or its imports fail: report and go on without it
+        return None, f"{type(e).__name__}: {e}"
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def implementations(q, k, v, log_fgate, fla):
+    """name -> (forward callable, its inputs, upstream-gradient layout transposed?)."""
+    B, H, L, D = q.shape
+    impls = {OURS: (lambda: forgetting.forgetting_attn(q, k, v, log_fgate, impl="triton"),
+                    (q, k, v, log_fgate), False)}
+    ref_bytes = B * H * L * L * 40  # fp64 bias, fp32 logits/probabilities and their gradients
+    if ref_bytes < 0.6 * torch.cuda.get_device_properties(0).total_memory:
+        impls[REF] = (
+            lambda: forgetting.forgetting_attn(q, k, v, log_fgate, impl="torch"), (q, k, v, log_fgate), False)
+    if fla is not None and q.dtype != torch.float32:
+        qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+        gt = log_fgate.detach().transpose(1, 2).contiguous().requires_grad_()
+        impls[FLA] = (lambda: fla(qt, kt, vt, gt), (qt, kt, vt, gt), True)
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.dtype != torch.float32:
+        impls[SDPA] = (sdpa, (q, k, v), False)
+    return impls
+
+
+def bench_shape(B, H, L, D, dtype, fla):
+    q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
+    log_fgate = F.logsigmoid(torch.randn(B, H, L, device="cuda")).requires_grad_()
+    do = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
+    do_t = do.transpose(1, 2).contiguous()
+    flops_fwd = 2.0 * B * H * L * L * D
+    rows, outputs, setup = [], {}, {}
+    for name, (fn, inputs, transposed) in implementations(q, k, v, log_fgate, fla).items():
+        grad = do_t if transposed else do
+        t0 = time.time()  # the first forward+backward compiles and autotunes
+        out = fn()
+        out.backward(grad)
+        torch.cuda.synchronize()
+        setup[name] = time.time() - t0
+        outputs[name] = (out.transpose(1, 2) if transposed else out).detach()
+        with torch.no_grad():
+            t_fwd = triton.testing.do_bench(fn, return_mode="median")
+        t_all = triton.testing.do_bench(lambda: fn().backward(grad), grad_to_none=list(inputs),
+                                        return_mode="median")
+        rows.append((name, t_fwd, flops_fwd / t_fwd * 1e-9, t_all, 3.5 * flops_fwd / t_all * 1e-9))
+        del out
+        torch.cuda.empty_cache()
+    # the same function as the other FoX implementations? (SDPA has no gate)
+    notes = [f"ours vs {n}: rel err {rel_err(outputs[OURS], o):.1e}" for n, o in outputs.items() if n in (REF, FLA)]
+    notes.append("first fwd+bwd call (compile, autotune) s: " + ", ".join(f"{n} {t:.1f}" for n, t in setup.items()))
+    return rows, notes
+
+
+def tuning_report(shape):
+    """Median ms of every config the autotuners tried for the latest new shape."""
+    lines = []
+    for name, tuner in (("fwd", forgetting._fwd_tuned), ("bwd", forgetting._bwd_tuned)):
+        timings = sorted(getattr(tuner, "configs_timings", {}).items(), key=lambda kv: kv[1][0])
+        lines += [f"tuning {shape} {name}: {t[0]:.3f} ms  {cfg}" for cfg, t in timings]
+    return lines
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--L", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    p.add_argument("--D", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--B", type=int, default=None, help="batch; default 32768 // L (at least 1)")
+    p.add_argument("--H", type=int, default=None, help="heads; default 2048 // D")
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--show-tuning", action="store_true", help="print every autotuned config's time")
+    args = p.parse_args()
+
+    t0 = time.time()
+    fla, fla_error = load_fla()
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print("fla-core: " + (f"imported in {time.time() - t0:.0f} s" if fla else f"not available ({fla_error})"))
+    print()
+    print("| B | H | L | D | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
+          "| time / SDPA fwd, fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for D in args.D:
+        for L in args.L:
+            B = args.B or max(1, 32768 // L)
+            H = args.H or 2048 // D
+            rows, notes = bench_shape(B, H, L, D, DTYPES[args.dtype], fla)
+            sdpa = {r[0]: r for r in rows}.get(SDPA)
+            for name, t_fwd, tf_fwd, t_all, tf_all in rows:
+                ratio = f"{t_fwd / sdpa[1]:.2f}, {t_all / sdpa[3]:.2f}" if sdpa else "-"
+                print(f"| {B} | {H} | {L} | {D} | {name} | {t_fwd:.3f} | {tf_fwd:.0f} | {t_all:.3f} "
+                      f"| {tf_all:.0f} | {ratio} |", flush=True)
+            # side notes go to stderr, keeping the table on stdout in one piece
+            notes = [f"L={L} D={D}: {n}" for n in notes]
+            notes += tuning_report(f"L={L} D={D}") if args.show_tuning else []
+            print("\n".join(notes), file=sys.stderr, flush=True)
+    print()
+    for name, tuner in (("forward", forgetting._fwd_tuned), ("backward", forgetting._bwd_tuned)):
+        for key, cfg in tuner.cache.items():
+            print(f"autotuned {name} {key}: {cfg}")
+
+
+if __name__ == "__main__":
+    main()

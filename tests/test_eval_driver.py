@@ -1,0 +1,338 @@
+"""The evaluation driver: the lm-eval adapter (through the real harness, offline), per-token loss,
+needle in a haystack and eval.py end to end, on tiny random models (CPU)."""
+import importlib.util
+import json
+import math
+import os
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import yaml
+from hydra import compose, initialize_config_dir
+from lm_eval import simple_evaluate
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+from omegaconf import OmegaConf
+
+import eval as eval_script
+from data.tokenizer import get_tokenizer
+from evaluation import long_context, niah
+from evaluation.lm_eval_adapter import (GPTLM, PRESETS, data_root, paper_row, select_tasks,
+                                        write_local_tasks)
+from model.gpt import ATTENTIONS, CHECKPOINT_FORMAT, GPT, GPTConfig, config_dict
+from tests.test_model import VARIANTS   # every attention variant and block style, in tiny form
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+TINY = {"vocab_size": 50304, "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 32}
+needs_data = pytest.mark.skipif(not data_root().is_dir(),
+                                reason="needs the local benchmark copies (../shared/data/eval)")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return get_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**TINY)).eval()
+
+
+def direct_loglikelihood(model, context, continuation):
+    """Sum of log p(continuation | context) from one plain forward pass."""
+    ids = torch.tensor([context + continuation])
+    logits, _ = model(ids[:, :-1])
+    logp = F.log_softmax(logits[0, len(context) - 1:].float(), dim=-1)
+    return logp.gather(-1, torch.tensor(continuation)[:, None]).sum().item()
+
+
+def instance(kind, *args):
+    return Instance(kind, {}, args, 0)
+
+
+# ----------------------------------------------------------------------------- adapter
+
+def test_loglikelihood_boundary_and_batching_match_direct_computation(model, tok):
+    lm = GPTLM(model, tok, batch_tokens=96)           # several padded batches
+    pairs = [("The cat sat on the", " mat."), ("Question: what is two plus two?\nAnswer:", " four"),
+             ("A", " much longer continuation than its context, spanning many tokens"), ("", "No context at all")]
+    got = lm.loglikelihood([instance("loglikelihood", c, x) for c, x in pairs])
+    for (context, continuation), (ll, _) in zip(pairs, got):
+        ctx_ids = [tok.eot_token] + tok.encode_ordinary(context)        # add_bos: contexts start with EOT
+        assert ll == pytest.approx(direct_loglikelihood(model, ctx_ids, tok.encode_ordinary(continuation)), abs=1e-4)
+    # trailing spaces of the context move to the continuation (lm-eval's word-boundary rule)
+    (ll, _), = lm.loglikelihood([instance("loglikelihood", "The cat sat on the ", "mat.")])
+    assert ll == pytest.approx(got[0][0], abs=1e-4)
+
+
+def test_greedy_flag_is_argmax(model, tok):
+    lm = GPTLM(model, tok)
+    context = [tok.eot_token] + tok.encode_ordinary("Hello")
+    logits, _ = model(torch.tensor([context]))
+    best = int(logits[0, -1].argmax())
+    other = (best + 1) % 50257
+    (_, greedy), (_, not_greedy) = lm._loglikelihood_tokens([(None, context, [best]), (None, context, [other])])
+    assert greedy and not not_greedy
+
+
+def test_left_truncation_keeps_the_last_max_length_tokens(model, tok):
+    lm = GPTLM(model, tok, max_length=16)
+    context, continuation = list(range(100, 140)), list(range(200, 205))
+    (ll, _), = lm._loglikelihood_tokens([(None, context, continuation)])
+    row = (context + continuation)[-17:]
+    assert ll == pytest.approx(direct_loglikelihood(model, row[:-5], row[-5:]), abs=1e-4)
+    with pytest.raises(ValueError, match="max_length"):
+        lm._loglikelihood_tokens([(None, [1], list(range(20)))])
+    assert lm._loglikelihood_tokens([(None, [1, 2], [])]) == [(0.0, True)]
+
+
+def test_rolling_loglikelihood_is_the_sum_of_per_token_losses(model, tok):
+    lm = GPTLM(model, tok)
+    short = "A short text that fits in one window."
+    ids = tok.encode_ordinary(short)
+    _, loss = model(torch.tensor([[tok.eot_token] + ids[:-1]]), torch.tensor([ids]))
+    got = lm.loglikelihood_rolling([instance("loglikelihood_rolling", short)])[0]
+    assert got == pytest.approx(-loss.item() * len(ids), rel=1e-5)
+    long = " ".join(f"word{i}" for i in range(80))    # several disjoint windows of 64 predictions
+    ids = tok.encode_ordinary(long)
+    padded = [tok.eot_token] + ids
+    expected = 0.0
+    for start in range(0, len(ids), 64):      # window k predicts ids[64k:64k+64], each from a full context
+        end = min(start + 64, len(ids))
+        x = torch.tensor([padded[max(0, end - 64):end]])
+        logits, _ = model(x)
+        losses = F.cross_entropy(logits[0], torch.tensor(ids[end - x.size(1):end]), reduction="none")
+        expected -= losses[-(end - start):].sum().item()
+    assert len(ids) > 128
+    assert lm.loglikelihood_rolling([instance("loglikelihood_rolling", long)])[0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_generate_until_decodes_greedily_with_the_cache_and_stops(model, tok):
+    lm = GPTLM(model, tok)
+    prompt = "Once upon a time"
+    ids = torch.tensor([[tok.eot_token] + tok.encode_ordinary(prompt)])
+    reference = tok.decode(model.generate(ids, 12, temperature=0, use_cache=False)[0, ids.size(1):].tolist())
+    assert lm.generate_until([instance("generate_until", prompt, {"until": [], "max_gen_toks": 12})]) == [reference]
+    stop = reference[len(reference) // 2:][:3]
+    got = lm.generate_until([instance("generate_until", prompt, {"until": [stop], "max_gen_toks": 12})])
+    assert got == [reference.split(stop)[0]]
+
+
+def test_truncation_modes_and_first_line(model, tok):
+    ids = list(range(10))
+    assert GPTLM(model, tok)._truncate(ids, 4) == [6, 7, 8, 9]
+    assert GPTLM(model, tok, truncation="middle")._truncate(ids, 5) == [0, 1, 7, 8, 9]
+    first = GPTLM(model, tok, first_line=True)
+    assert first._cut("\n\nanswer one\nmore", ["zzz"]) == "answer one"
+    assert first._stop("\n\nanswer", []) is False and first._stop("\nanswer\n", []) is True
+
+
+def test_variants_cover_every_attention():
+    assert set(ATTENTIONS) <= {kw["attention"] for kw in VARIANTS.values()}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_attention_variant_goes_through_the_adapter(name, tok):
+    torch.manual_seed(0)
+    variant = GPT(GPTConfig(**{**TINY, **VARIANTS[name]})).eval()
+    lm = GPTLM(variant, tok, batch_tokens=64)
+    pairs = [("Paris is the capital of", " France"), ("One two three", " four five six seven")]
+    got = lm.loglikelihood([instance("loglikelihood", c, x) for c, x in pairs])
+    for (context, continuation), (ll, _) in zip(pairs, got):
+        ctx_ids = [tok.eot_token] + tok.encode_ordinary(context)
+        assert ll == pytest.approx(direct_loglikelihood(variant, ctx_ids, tok.encode_ordinary(continuation)), abs=1e-3)
+    ids = torch.tensor([[tok.eot_token] + tok.encode_ordinary("Paris")])
+    reference = tok.decode(variant.generate(ids, 5, temperature=0, use_cache=False)[0, ids.size(1):].tolist())
+    assert lm.generate_until([instance("generate_until", "Paris", {"until": [], "max_gen_toks": 5})]) == [reference]
+
+
+# ----------------------------------------------------------------------------- real harness
+
+@needs_data
+def test_user_task_through_the_harness_matches_hand_computed_accuracy(model, tok, tmp_path):
+    """A task in a user's include_path, built from 6 ARC-Easy items of the shared copy."""
+    with open(data_root() / "arc_easy" / "arc_easy.llmfoundry.jsonl") as f:
+        items = [json.loads(next(f)) for _ in range(6)]
+    (tmp_path / "items.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    (tmp_path / "tiny_arc.yaml").write_text(yaml.safe_dump({
+        "task": "tiny_arc", "dataset_path": "json", "test_split": "test",
+        "dataset_kwargs": {"data_files": {"test": str(tmp_path / "items.jsonl")}},
+        "output_type": "multiple_choice", "doc_to_text": "{{query}}\nAnswer:", "doc_to_choice": "{{choices}}",
+        "doc_to_target": "gold", "metric_list": [{"metric": "acc"}, {"metric": "acc_norm"}]}))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    res = simple_evaluate(model=GPTLM(model, tok), tasks=["tiny_arc"], task_manager=manager,
+                          bootstrap_iters=0, log_samples=False)["results"]["tiny_arc"]
+    acc, acc_norm = [], []
+    for item in items:
+        context = [tok.eot_token] + tok.encode_ordinary(item["query"] + "\nAnswer:")
+        lls = [direct_loglikelihood(model, context, tok.encode_ordinary(" " + choice)) for choice in item["choices"]]
+        acc.append(np.argmax(lls) == item["gold"])
+        acc_norm.append(np.argmax([ll / len(choice) for ll, choice in zip(lls, item["choices"])]) == item["gold"])
+    assert res["acc,none"] == pytest.approx(np.mean(acc))
+    assert res["acc_norm,none"] == pytest.approx(np.mean(acc_norm))
+
+
+@needs_data
+def test_local_tasks_match_the_official_prompts(tmp_path):
+    """The local copies, loaded offline, produce lm-eval's official prompts and targets."""
+    manager = TaskManager(include_path=str(write_local_tasks(tmp_path, data_root())), include_defaults=False)
+    names = ["local_arc_challenge", "local_boolq", "local_hellaswag", "local_openbookqa", "local_mmlu"]
+    tasks = manager.load(names)["tasks"]
+    arc, boolq, hellaswag = tasks["local_arc_challenge"], tasks["local_boolq"], tasks["local_hellaswag"]
+    assert len(arc.eval_docs) == 1172 and len(boolq.eval_docs) == 3270 and len(hellaswag.eval_docs) == 10042
+    doc = arc.eval_docs[0]
+    assert arc.doc_to_text(doc).startswith("Question: ") and arc.doc_to_text(doc).endswith("?\nAnswer:")
+    assert hellaswag.doc_to_text(hellaswag.eval_docs[0]) == "Roof shingle removal: A man is sitting on a roof. He"
+    assert hellaswag.doc_to_target(hellaswag.eval_docs[0]) == 3
+    assert boolq.doc_to_choice(boolq.eval_docs[0]) == ["no", "yes"] and boolq.doc_to_target(boolq.eval_docs[0]) == 0
+    assert sum(name.startswith("local_mmlu_") for name in tasks) == 57
+    assert sum(len(t.eval_docs) for name, t in tasks.items() if name.startswith("local_mmlu_")) == 14042
+
+
+def test_paper_average_reproduces_fox_table1():
+    """fox.md I20: the Avg of FoX (Pro) in Table 1 is 50.88."""
+    row = [23.04, 14.91, 42.75, 64.09, 38.39, 52.33, 52.23, 26.54, 71.00, 29.80, 85.10, 46.57]
+    results = {}
+    for (_, task, metric), value in zip(PRESETS["fox"].columns, row):
+        results.setdefault(task, {})[f"{metric},none"] = value if "perplexity" in metric else value / 100
+    table = paper_row(PRESETS["fox"], results)
+    assert table["Avg"] == pytest.approx(50.88, abs=0.005) and table["Wiki. ppl"] == 23.04
+
+
+def test_offline_selection_maps_to_local_copies_and_skips_the_rest():
+    names, skipped = select_tasks(PRESETS["fox"], ["sciq", "my_task"], local=True)
+    assert "local_hellaswag" in names and "local_wikitext" in names and "my_task" in names
+    assert set(skipped) == {"copa", "sciq"}
+    names, skipped = select_tasks(PRESETS["castle"], [], local=False)
+    assert names[:2] == ["arc_challenge", "arc_easy"] and not skipped
+    names, skipped = select_tasks(PRESETS["longbench"], [], local=True)
+    assert not names and len(skipped) == 14
+
+
+# ----------------------------------------------------------------------------- long context
+
+def test_per_token_loss_matches_the_training_loss(model):
+    batches = [(torch.randint(0, 50257, (2, 48)), torch.randint(0, 50257, (2, 48))) for _ in range(3)]
+    losses, count = long_context.per_token_loss(model, batches, "cpu")
+    assert losses.shape == (48,) and losses.dtype == np.float64 and count == 6
+    reference = np.mean([model(x, y)[1].item() for x, y in batches])
+    assert losses.mean() == pytest.approx(reference, rel=1e-5)
+    first = [F.cross_entropy(model(x)[0][:, 0], y[:, 0]).item() for x, y in batches]
+    assert losses[0] == pytest.approx(np.mean(first), rel=1e-5)
+
+
+def test_smoothing_and_perplexity_by_length():
+    assert long_context.smooth(np.array([1.0, 2, 3, 4]), 3) == pytest.approx([1.5, 2, 3, 3.5])
+    assert long_context.smooth(np.full(500, 2.0), 101) == pytest.approx(np.full(500, 2.0))
+    losses = np.concatenate([np.full(512, 1.0), np.full(512, 3.0)])
+    p = long_context.perplexity_by_length(losses, 512)
+    assert list(p) == [1024, 512] and p[512] == pytest.approx(math.e) and p[1024] == pytest.approx(math.exp(2))
+
+
+# ----------------------------------------------------------------------------- needle in a haystack
+
+def test_needle_prompt_layout(tok):
+    hay = tok.encode_ordinary("One sentence here. Another one follows it. And a third one ends.")
+    needle, end = tok.encode_ordinary(niah.NEEDLES["standard"]), tok.encode_ordinary(niah.PROMPT_END)
+    period = set(tok.encode_ordinary("."))
+    prompts = {d: niah.build_prompt(hay, needle, end, tok.eot_token, d, period) for d in (0, 50, 100)}
+    assert len({len(p) for p in prompts.values()}) == 1
+    assert prompts[0][:1 + len(needle)] == [tok.eot_token] + needle
+    assert prompts[100][-len(end) - len(needle):-len(end)] == needle
+    at = prompts[50].index(needle[0])
+    assert prompts[50][at - 1] in period
+    assert tok.decode(prompts[100]).endswith("Answer: The best thing to do in San Francisco is")
+
+
+def test_needle_scoring_finds_the_answer(tok):
+    """A stand-in model that always answers correctly passes every prompt."""
+    answer = torch.tensor(tok.encode_ordinary(" eat a sandwich and sit in Dolores Park on a sunny day."))
+    oracle = types.SimpleNamespace(generate=lambda idx, n, **kw: torch.cat([idx, answer.expand(idx.size(0), -1)], 1))
+    hay = tok.encode_ordinary("Some text. " * 200)
+    c = OmegaConf.create({"question_reserve": 200, "max_new_tokens": 16, "batch_size": 2})
+    records = niah.run_mode(oracle, tok, hay, "easy", [300, 400], [0.0, 50.0, 100.0], c, "cpu")
+    assert len(records) == 6 and all(r["match"] for r in records)
+    assert len({r["prompt_tokens"] for r in records if r["length"] == 300}) == 1
+
+
+# ----------------------------------------------------------------------------- eval.py end to end
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """A randomly initialised checkpoint in train.py's format, trained on nothing."""
+    run_dir = tmp_path_factory.mktemp("run")
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        cfg = compose(config_name="config", overrides=["model.n_layer=1", "model.n_embd=32", "model.n_head=2",
+                                                       "model.head_dim=16", "train.seq_len=64",
+                                                       f"train.out_dir={run_dir}"])
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True)))
+    torch.save({"format": CHECKPOINT_FORMAT, "step": 0, "model": gpt.state_dict(),
+                "model_config": config_dict(gpt.config), "config": OmegaConf.to_container(cfg, resolve=True)},
+               run_dir / "ckpt_0.pt")
+    return run_dir
+
+
+def eval_run(overrides):
+    with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
+        return eval_script.run(compose(config_name="evaluate", overrides=overrides))
+
+
+@needs_data
+def test_eval_py_end_to_end(tiny_checkpoint):
+    ckpt = f"ckpt={tiny_checkpoint}"
+    eval_run([ckpt, "eval.tasks=[long_context,niah]", "long_context.num_seqs=3", "long_context.min_len=64",
+              "niah.lengths=[300,400]", "niah.depths=[0,50,100]", "niah.max_new_tokens=6"])
+    results = eval_run([ckpt, "eval.tasks=[lm_eval]", "lm_eval.preset=fox", "lm_eval.offline=true", "lm_eval.limit=2",
+                        "lm_eval.bootstrap_iters=0"])
+    saved = json.loads((tiny_checkpoint / "results.json").read_text())
+    assert saved == json.loads(json.dumps(results)) and {"long_context", "niah", "lm_eval"} <= set(saved)
+
+    lc = saved["long_context"]
+    assert lc["seq_len"] == 256 and lc["num_seqs"] == 3 and list(lc["perplexity"]) == ["256", "128", "64"]
+    assert abs(lc["loss"] - math.log(50304)) < 1.0              # a random model is near uniform
+    csv = np.loadtxt(tiny_checkpoint / "long_context.csv", delimiter=",", skiprows=1)
+    assert csv.shape == (256, 3) and np.isfinite(csv).all() and csv[:, 1].mean() == pytest.approx(lc["loss"], rel=1e-4)
+    assert (tiny_checkpoint / "long_context.png").stat().st_size > 0
+
+    for mode in ("easy", "standard"):
+        assert np.array(saved["niah"][mode]["match"]).shape == (3, 2)
+        assert (tiny_checkpoint / f"niah_{mode}.png").stat().st_size > 0
+        assert len(json.loads((tiny_checkpoint / f"niah_{mode}.json").read_text())) == 6
+
+    fox = saved["lm_eval"]["fox"]
+    assert set(fox["skipped"]) == {"copa", "sciq"}
+    run = fox["0-shot"]
+    assert 0 <= run["results"]["local_hellaswag"]["acc_norm,none"] <= 1
+    assert run["results"]["local_wikitext"]["word_perplexity,none"] > 1
+    assert run["table"]["COPA"] is None and run["table"]["Avg"] is None and run["table"]["PIQA"] is not None
+
+    with pytest.raises(ValueError, match="eval.tasks has no lm_eval"):
+        eval_run([ckpt, "lm_eval.preset=castle"])
+
+
+def run_script(name, args, monkeypatch):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(CONFIGS), "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [name] + args)
+    module.main()
+
+
+@needs_data
+def test_plot_and_table_scripts(tiny_checkpoint, tmp_path, monkeypatch, capsys):
+    """Run after the end-to-end test has filled the tiny run's results.json and long_context.csv."""
+    if not (tiny_checkpoint / "results.json").is_file():
+        pytest.skip("needs test_eval_py_end_to_end first")
+    png = tmp_path / "overlay.png"
+    run_script("plot_long_context", [str(tiny_checkpoint), str(tiny_checkpoint / "long_context.csv"),
+                                     "--labels", "a", "b", "--out", str(png), "--min-len", "64"], monkeypatch)
+    assert png.stat().st_size > 0 and "| a | " in capsys.readouterr().out
+    run_script("plot_paper_tables", [str(tiny_checkpoint)], monkeypatch)
+    out = capsys.readouterr().out
+    assert "### fox, 0-shot" in out and "| COPA |" in out and "### perplexity P(l)" in out and "needle" in out

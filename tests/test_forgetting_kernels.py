@@ -1,0 +1,310 @@
+"""kernels/forgetting.py: Forgetting Attention reference, Triton kernels, decode helpers.
+
+Invariant numbers (I1...) refer to shared/spec/fox.md §7. On CPU the Triton kernels run in the
+interpreter on tiny shapes (tile 16, so L = 17, 45 cover several tiles and padded tails); the
+gpu-marked tests run the compiled kernels at real shapes.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.forgetting import _reverse_cumsum, fgate_cumsum, forgetting_attn, forgetting_decode
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fix_triton_interpreter():
+    """Work around three Triton 3.6 interpreter bugs, for this module's tests only (the compiled
+    GPU path is unaffected; kernels/forgetting.py has no interpreter-specific code):
+
+    - numpy >= 2.4 refuses int() of a 1-element array, which the interpreter uses for
+      runtime loop bounds (`range(lo, hi)` with lo, hi computed in the kernel);
+    - tl.dot on bf16 multiplies the raw uint16 bit patterns;
+    - fp32 -> bf16 casts truncate instead of rounding to nearest even.
+    """
+    if not INTERPRET:
+        yield
+        return
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    patch_tensor = interp._patch_lang_tensor
+    builder = interp.InterpreterBuilder
+    create_dot, cast_impl = builder.create_dot, builder.cast_impl
+
+    def _patch_lang_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    def _create_dot(self, a, b, d, *args):
+        up = lambda x: cast_impl(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
+        return create_dot(self, up(a), up(b), d, *args)
+
+    def _cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.uint16).numpy()
+            return interp.TensorHandle(bits, tl.bfloat16)
+        return cast_impl(self, src, dst_type)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(interp, "_patch_lang_tensor", _patch_lang_tensor)
+        mp.setattr(builder, "create_dot", _create_dot)
+        mp.setattr(builder, "cast_impl", _cast_impl)
+        yield
+
+
+# gate logit ranges (fox.md I2): log f = logsigmoid(logit)
+DECAY = {"strong": (-5.0, 0.0), "weak": (5.0, 10.0), "mixed": (-5.0, 10.0)}
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| in fp64; the floor of 1 (typical norms here are 10-100) only matters
+    for references that are exactly zero, like dq and dk at L = 1."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1.0)).item()
+
+
+def make_inputs(B, H, L, D, dtype=torch.float32, decay="mixed", device=DEV):
+    q, k, v = (torch.randn(B, H, L, D, device=device).to(dtype) for _ in range(3))
+    lo, hi = DECAY[decay]
+    log_fgate = F.logsigmoid(torch.empty(B, H, L, device=device).uniform_(lo, hi))
+    return q, k, v, log_fgate
+
+
+def run(q, k, v, log_fgate, do=None, **kw):
+    """Output and gradients (q, k, v, log_fgate) for upstream gradient `do` (random by default)."""
+    q, k, v, log_fgate = (x.detach().requires_grad_() for x in (q, k, v, log_fgate))
+    o = forgetting_attn(q, k, v, log_fgate, **kw)
+    do = torch.randn_like(o) if do is None else do
+    return o, torch.autograd.grad(o, (q, k, v, log_fgate), do), do
+
+
+def run_fp64(q, k, v, log_fgate, do, **kw):
+    return run(*(x.double() for x in (q, k, v, log_fgate)), do=do.double(), impl="torch", **kw)
+
+
+def check(o, grads, o_ref, grads_ref, tol):
+    errs = [rel_err(o, o_ref)] + [rel_err(g, r) for g, r in zip(grads, grads_ref)]
+    print("rel errors o, dq, dk, dv, dlogf:", " ".join(f"{e:.1e}" for e in errs))
+    assert max(errs) < tol, f"rel errors o, dq, dk, dv, dlogf = {errs}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Reference
+# ---------------------------------------------------------------------------------------------
+
+def test_reference_matches_definition():
+    """The materialized reference equals a per-row loop over the definition with products of f."""
+    B, H, L, D = 1, 2, 7, 4
+    q, k, v, log_fgate = (x.double() for x in make_inputs(B, H, L, D, device="cpu"))
+    f = log_fgate.exp()
+    scale = 0.7
+    expected = torch.zeros_like(v)
+    for b in range(B):
+        for h in range(H):
+            for i in range(L):
+                w = torch.stack([torch.exp(scale * q[b, h, i] @ k[b, h, j]) * f[b, h, j + 1:i + 1].prod()
+                                 for j in range(i + 1)])
+                expected[b, h, i] = (w[:, None] * v[b, h, :i + 1]).sum(0) / w.sum()
+    out = forgetting_attn(q, k, v, log_fgate, scale=scale, impl="torch")
+    assert rel_err(out, expected) < 1e-12
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_gate_one_is_causal_attention(impl):
+    """I1: log f = 0 gives causal softmax attention, forward and dq/dk/dv; d log f still right."""
+    q, k, v, _ = make_inputs(2, 2, 33, 32)
+    zero = torch.zeros(2, 2, 33, device=DEV)
+    o, grads, do = run(q, k, v, zero, impl=impl)
+    o_sdpa, grads_sdpa, _ = run(q, k, v, zero, do=do, impl="torch")  # for d log f only
+    qs, ks, vs = (x.detach().requires_grad_() for x in (q, k, v))
+    o_ref = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    grads_ref = torch.autograd.grad(o_ref, (qs, ks, vs), do)
+    check(o, grads, o_ref, (*grads_ref, grads_sdpa[3]), 1e-5)
+
+
+def test_reverse_cumsum_is_the_cumsum_gradient():
+    """I8: d log f_t = sum_{s >= t} dc_s is the adjoint of c = cumsum(log f)."""
+    x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
+    dc = torch.randn(3, 50, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(x.cumsum(-1), x, dc)
+    assert torch.allclose(_reverse_cumsum(dc), expected, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels against the fp64 reference
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("decay", ["strong", "weak"])
+@pytest.mark.parametrize("L,D", [(1, 32), (17, 64), (45, 32)])
+def test_triton_matches_reference(L, D, decay, dtype, tol):
+    """I2: forward and all four gradients, odd L (padded tails), several tiles."""
+    q, k, v, log_fgate = make_inputs(2, 2, L, D, dtype, decay)
+    o, grads, do = run(q, k, v, log_fgate, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
+    assert o.dtype == dtype and all(g.dtype == x.dtype for g, x in zip(grads, (q, k, v, log_fgate)))
+    check(o, grads, o_ref, grads_ref, tol)
+
+
+@pytest.mark.parametrize("L,D", [(32, 32), (23, 48)])
+def test_triton_scale_and_strides(L, D):
+    """Non-default scale and (B, L, H, D) views as inputs: passed to the kernel with their strides
+    when L and D need no padding, copied when they do (D = 48 is zero-padded to 64)."""
+    B, H = 1, 3
+    q, k, v = (torch.randn(B, L, H, D, device=DEV).transpose(1, 2) for _ in range(3))
+    log_fgate = F.logsigmoid(3 * torch.randn(B, H, L, device=DEV))
+    o, grads, do = run(q, k, v, log_fgate, scale=0.5, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do, scale=0.5)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+
+
+def test_extremes():
+    """I4: f -> 0 gives O = V; a constant gate is ALiBi."""
+    q, k, v, _ = make_inputs(1, 2, 20, 32)
+    tiny_gate = torch.full((1, 2, 20), -1e4, device=DEV)
+    assert torch.allclose(forgetting_attn(q, k, v, tiny_gate, impl="triton"), v, atol=1e-6)
+
+    slopes = torch.tensor([0.1, 0.7], device=DEV)  # -log f per head
+    log_fgate = (-slopes)[None, :, None].expand(1, 2, 20).contiguous()
+    pos = torch.arange(20, device=DEV)
+    alibi = -slopes[:, None, None] * (pos[:, None] - pos[None, :])
+    alibi = alibi.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=alibi)
+    for impl in ("torch", "triton"):
+        assert rel_err(forgetting_attn(q, k, v, log_fgate, impl=impl), expected) < 1e-5
+
+
+def test_causality():
+    """I5: inputs after position t change neither o_{<=t} nor its gradients."""
+    t, L = 21, 40
+    q, k, v, log_fgate = make_inputs(1, 2, L, 32, decay="weak")
+    inputs = [x.requires_grad_() for x in (q, k, v, log_fgate)]
+    o = forgetting_attn(*inputs, impl="triton")
+    grads = torch.autograd.grad(o[:, :, :t + 1].sum(), inputs)
+    for g in grads:
+        assert g[:, :, t + 1:].abs().max() == 0
+    perturbed = [x.detach().clone() for x in inputs]
+    for x in perturbed:
+        x[:, :, t + 1:] = -x[:, :, t + 1:] - 1
+    o2 = forgetting_attn(*perturbed, impl="triton")
+    assert torch.equal(o[:, :, :t + 1], o2[:, :, :t + 1])
+
+
+# ---------------------------------------------------------------------------------------------
+# Long-sequence precision policy: c in fp64, re-referenced per tile
+# ---------------------------------------------------------------------------------------------
+
+def _naive_fp32_global_cumsum(q, k, v, log_fgate):
+    """What the precision policy avoids: c = cumsum(log f) in fp32, bias c_i - c_j in fp32."""
+    L = q.shape[-2]
+    c = log_fgate.float().cumsum(-1)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + (c[..., :, None] - c[..., None, :])
+    s = s.masked_fill(torch.ones(L, L, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
+    return s.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_large_cumsum_offset(impl):
+    """I3 / I10 on CPU: shifting c by 3e5 (|c| of log f ~ -5 at 64K tokens), here by changing
+    only log f_1, changes neither O nor the gradients, d log f_1 = 0 (i.e. sum_t dc_t = 0);
+    an fp32 global cumsum fails this by orders of magnitude."""
+    q, k, v, log_fgate = make_inputs(1, 2, 50, 32, decay="strong")
+    shifted = log_fgate.clone()
+    shifted[..., 0] = -3e5
+    o, grads, do = run(q, k, v, log_fgate, impl=impl)
+    o_shift, grads_shift, _ = run(q, k, v, shifted, do=do, impl=impl)
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
+    check(o_shift, grads_shift, o_ref, grads_ref, 2e-5)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+    assert grads_shift[3][..., 0].abs().max() < 1e-5
+    assert rel_err(_naive_fp32_global_cumsum(q, k, v, shifted), o_ref) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding with a cache
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk", [1, 5])
+def test_decode_matches_parallel(chunk):
+    """I14 at kernel level: prefill, then decode `chunk` tokens at a time with an appended
+    (K, V, c) cache; every position equals the parallel op. log f_1 = -3e5 checks that the
+    fp64 c cache keeps long-sequence precision too."""
+    L, prefill = 23, 7
+    q, k, v, log_fgate = make_inputs(2, 2, L, 32, decay="strong", device="cpu")
+    log_fgate[..., 0] = -3e5
+    expected = forgetting_attn(*(x.double() for x in (q, k, v, log_fgate)), impl="torch")
+
+    c_cache = fgate_cumsum(log_fgate[..., :prefill])
+    outs = [forgetting_attn(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill],
+                            log_fgate[..., :prefill], impl="torch")]
+    for t in range(prefill, L, chunk):
+        new = slice(t, min(t + chunk, L))
+        c_cache = torch.cat([c_cache, fgate_cumsum(log_fgate[..., new], c_cache)], -1)
+        k_cache, v_cache = k[:, :, :new.stop], v[:, :, :new.stop]
+        outs.append(forgetting_decode(q[:, :, new], k_cache, v_cache, c_cache))
+    assert rel_err(torch.cat(outs, 2), expected) < 1e-5
+    assert torch.allclose(c_cache, fgate_cumsum(log_fgate), rtol=1e-12)
+
+
+def test_log_fgate_must_be_fp32():
+    """I9: a 16-bit log gate is rejected rather than silently upcast."""
+    q, k, v, log_fgate = make_inputs(1, 1, 8, 16, device="cpu")
+    with pytest.raises(TypeError):
+        forgetting_attn(q, k, v, log_fgate.bfloat16())
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real shapes
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("decay", ["strong", "mixed"])
+def test_gpu_real_shape_bf16(D, decay):
+    """I9: bf16 at L = 4096 against the fp32 reference (catches fp32-accumulation bugs).
+    H = 2048 // D as in scripts/bench_forgetting.py, so both share compiled kernels."""
+    q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, decay)
+    o, grads, do = run(q, k, v, log_fgate)
+    o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
+    check(o, grads, o_ref, grads_ref, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
+def test_gpu_odd_shapes(dtype, tol):
+    """Odd L, D = 96 (padded), strided inputs, fp32 (3xTF32 dots) and bf16, vs the fp64 reference."""
+    B, H, L, D = 1, 16, 1000, 96
+    q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=dtype).transpose(1, 2) for _ in range(3))
+    log_fgate = F.logsigmoid(3 * torch.randn(B, H, L, device=DEV))
+    o, grads, do = run(q, k, v, log_fgate)
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
+    check(o, grads, o_ref, grads_ref, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_long_sequence_precision():
+    """I10: L = 65536, log f ~ -5 (|c| ~ 3e5), bf16, against an fp64 reference on sampled rows
+    whose bias is a local sum of log f over (j, i], never a difference of global cumsums."""
+    L, D, H = 65536, 64, 32  # all heads are computed; head 0 is checked
+    q, k, v, _ = make_inputs(1, H, L, D, torch.bfloat16)
+    log_fgate = F.logsigmoid(-5 + 0.5 * torch.randn(1, H, L, device=DEV))
+    o = forgetting_attn(q, k, v, log_fgate)
+    lf, qd, kd, vd = log_fgate[0, 0].double(), q[0, 0].double(), k[0, 0].double(), v[0, 0].double()
+    rows = list(range(L // 2 - 32, L // 2 + 32)) + list(range(L - 128, L))
+    c32 = log_fgate[0, 0].cumsum(0)  # what the policy avoids, printed for comparison
+    expected, naive = [], []
+    for i in rows:
+        logits = qd[i] @ kd[:i + 1].T * D ** -0.5
+        bias = torch.cat([lf[1:i + 1].flip(0).cumsum(0).flip(0), lf.new_zeros(1)])
+        expected.append(torch.softmax(logits + bias, 0) @ vd[:i + 1])
+        naive.append(torch.softmax(logits + (c32[i] - c32[:i + 1]).double(), 0) @ vd[:i + 1])
+    expected = torch.stack(expected)
+    err = rel_err(o[0, 0, rows], expected)
+    print(f"L = {L}, log f ~ -5: rel error {err:.1e} (fp32 global cumsum: "
+          f"{rel_err(torch.stack(naive), expected):.1e})")
+    assert err < 1e-2
