@@ -1,44 +1,77 @@
 """Sample text from a checkpoint written by train.py, streaming tokens as they are generated.
 
     python sample.py ckpt=runs/baseline-4x128 prompt="The history of" max_new_tokens=100
+
+Sharded decoding (tree attention, kernels/tree.py): every layer's cache is split along the
+sequence axis over the N processes, which all run the same tokens; only rank 0 prints.
+
+    torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 """
+import os
 import sys
 
 import hydra
 import torch
+import torch.distributed as dist
 
 from data.tokenizer import tokenizer_for
 from model.gpt import load_model
 
 
-def stream_text(model, tok, prompt_ids, cfg, device):
-    """Print one sample as it is generated; return its text."""
+def stream_text(model, tok, prompt_ids, cfg, device, group=None, show=True):
+    """Print one sample as it is generated (when `show`); return its text."""
     idx = torch.tensor([prompt_ids], device=device)
     new_ids, printed = [], ""
     eot = tok.eot_token if cfg.stop_at_eot else None
-    for token in model.generate_stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, eot):
+    chunk = cfg.prefill_chunk if group is not None else None
+    for token in model.generate_stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, eot,
+                                       group=group, prefill_chunk=chunk):
         if eot is not None and token.item() == eot:
             break
         new_ids.append(token.item())
         text = tok.decode(new_ids)
-        if not text.endswith("\ufffd"):      # wait for the rest of a multi-byte character
+        if show and not text.endswith("\ufffd"):      # wait for the rest of a multi-byte character
             sys.stdout.write(text[len(printed):])
             sys.stdout.flush()
             printed = text
-    print()
+    if show:
+        print()
     return tok.decode(new_ids)
+
+
+def init_sharding(cfg):
+    """(group, rank, device): one process group over all torchrun ranks with sharded=true, NCCL on
+    GPUs (one per local rank) and gloo on CPU; (None, 0, cfg.device) for a single process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not cfg.sharded:
+        raise ValueError(f"sample.py runs on {world} processes: pass sharded=true to split the cache "
+                         "over them, or start it with python instead of torchrun")
+    if world == 1:
+        return None, 0, cfg.device
+    device = cfg.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(device).type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
+    return dist.group.WORLD, dist.get_rank(), device
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(cfg):
+    group, rank, device = init_sharding(cfg)
     torch.manual_seed(cfg.seed)
-    model, train_cfg, device = load_model(cfg.ckpt, cfg.device, cfg.dtype)
+    model, train_cfg, device = load_model(cfg.ckpt, device, cfg.dtype)
     tok = tokenizer_for(train_cfg["data"])
     prompt_ids = tok.encode_ordinary(cfg.prompt) if cfg.prompt else [tok.eot_token]
     for i in range(cfg.num_samples):
-        print(f"--- sample {i + 1}/{cfg.num_samples} ---")
-        sys.stdout.write(cfg.prompt)
-        stream_text(model, tok, prompt_ids, cfg, device)
+        if rank == 0:
+            print(f"--- sample {i + 1}/{cfg.num_samples} ---")
+            sys.stdout.write(cfg.prompt)
+        stream_text(model, tok, prompt_ids, cfg, device, group, show=rank == 0)
+    if group is not None:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -226,144 +226,152 @@ class _CastleBlockwise(torch.autograd.Function):
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """Tile sizes and launch knobs. block_bwd must divide block_fwd (both powers of two)."""
-    block_fwd: int = 64
-    warps_fwd: int = 4
-    stages_fwd: int = 1
-    block_bwd: int = 64
-    warps_bwd: int = 8
-    stages_bwd: int = 1
+    """Tiles: m = query rows per tile, n = key columns per tile (n divides m; powers of two >= 16);
+    the backward's m must divide the forward's m (the forward saves U where the backward starts)."""
+    m_fwd: int
+    n_fwd: int
+    warps_fwd: int
+    m_bwd: int
+    n_bwd: int
+    warps_bwd: int
+    stages_bwd: int
 
 
-def _default_config(block_d, dtype, L):
-    if _interpreting():  # the interpreter: the smallest legal tiles
-        return TritonConfig(16, 4, 1, 16, 4, 1)
-    if dtype == torch.float32:  # fp32 operands take twice the registers
-        return TritonConfig(32, 4, 1, 32, 4, 1)
+def _default_config(block_d, dtype):
+    """Tiles per head dim: the fastest of scripts/bench_castle.py --sweep on an H100 (bf16, L = 2048).
+    The backward spills registers at every tile size (many live tiles per step), hence its small tiles."""
+    if _interpreting():  # the interpreter: the smallest legal tiles, so that tiny tests cross blocks
+        return TritonConfig(32, 16, 4, 16, 16, 4, 1)
+    if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
+        return TritonConfig(32, 16, 4, 32, 16, 4, 1)
     if block_d <= 64:
-        return TritonConfig(64, 4, 1, 64, 8, 1)
-    return TritonConfig(64, 8, 1, 32, 4, 1)
+        return TritonConfig(64, 64, 4, 32, 32, 4, 1)
+    return TritonConfig(64, 32, 4, 16, 16, 4, 1)
 
 
 if triton is not None:
     _LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in base 2; LSE is stored in log2 units
 
     @triton.jit
-    def _lookahead_sigma(qu_b, ku_a, rows_b, rows_a, scale, W, PREC: tl.constexpr):
-        """sigma_{b,a}: weight of contributor i (block a) in the lookahead key of owner j (block b),
+    def _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC: tl.constexpr):
+        """sigma_{c,a}: weight of contributor i (rows_a) in the lookahead key of owner j (rows_c),
         eq (3) with mask (4) / (9): j < i <= j + W."""
-        z = tl.dot(qu_b, tl.trans(ku_a), input_precision=PREC) * scale
-        keep = (rows_a[None, :] > rows_b[:, None]) & (rows_a[None, :] <= rows_b[:, None] + W)
+        z = tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC) * scale
+        keep = (rows_a[None, :] > rows_c[:, None]) & (rows_a[None, :] <= rows_c[:, None] + W)
         return tl.where(keep, tl.sigmoid(z), 0.0)
 
     @triton.jit
-    def _last_writer_row(b, W, N, BLOCK: tl.constexpr):
-        """Last row block whose contributors reach owner block b (spec §3.6): i <= (b+1)*BLOCK - 1 + W."""
-        return tl.minimum(((b + 1) * BLOCK - 1 + W) // BLOCK, N - 1)
+    def _last_row_block(c, W, NR, BM: tl.constexpr, BN: tl.constexpr):
+        """Last row block whose contributors reach key block c (spec §3.6): i <= (c+1)*BN - 1 + W."""
+        return tl.minimum(((c + 1) * BN - 1 + W) // BM, NR - 1)
+
+    @triton.jit
+    def _fold_count(c, r, BM: tl.constexpr, BN: tl.constexpr):
+        """How many U blocks row program r has written once it has written block c. It visits its own
+        (diagonal) key blocks left to right, then the earlier ones right to left."""
+        first = r * (BM // BN)
+        return tl.where(c >= first, c - first + 1, first + BM // BN - c)
 
     @triton.jit
     def _castle_fwd_kernel(
         QC, KC, VC, QU, KU, VU, O, LSE, U, SYNC,
-        stride_b, stride_h, stride_l, H, L, N, W, save_t, scale,
-        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale,
+        HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr,
     ):
-        # SYNC[bh * N + a] counts the U blocks row program a of head bh has written (in order a, a-1, ...);
-        # SYNC[-1] hands out tickets: ticket -> (head, row), rows of a head in increasing order.
-        n_rows = tl.num_programs(0)
-        ticket = tl.atomic_add(SYNC + n_rows, 1)
-        bh = ticket // N
-        a = ticket % N
+        # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
+        # tickets: ticket -> (head, row block), the row blocks of a head in increasing order.
+        ticket = tl.atomic_add(SYNC + tl.num_programs(0), 1)
+        bh = ticket // NR
+        a = ticket % NR
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-        u_base = U + bh.to(tl.int64) * (N * BLOCK * BLOCK_D)
-        flags = SYNC + bh * N
+        u_base = U + bh.to(tl.int64) * (NR * BM * BLOCK_D)
+        flags = SYNC + bh * NR
 
-        offs_r = tl.arange(0, BLOCK)
+        offs_m = tl.arange(0, BM)
+        offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, BLOCK_D)
         dmask = offs_d[None, :] < HEAD_DIM
-        rows_a = a * BLOCK + offs_r
+        rows_a = a * BM + offs_m
         mask_a = (rows_a[:, None] < L) & dmask
         ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
         qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
         ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
         vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
-        # Contributors this row hands on in U; the last row only hands on those before save_t
-        # (the backward's last row start, or L for prefill).
-        vu_fold = tl.where(rows_a[:, None] < save_t, vu_a, 0.0).to(DT)
-        do_write = (a < N - 1) | (save_t > a * BLOCK)
         # R_a = s * q^C_t . v^U_i for contributors i <= t inside the row block: once per row (spec §3.7).
         r = tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale
-        r = tl.where(offs_r[:, None] >= offs_r[None, :], r, 0.0).to(DT)
+        r = tl.where(offs_m[:, None] >= offs_m[None, :], r, 0.0).to(DT)
+        # The contributors this row folds into U; the last row only those before save_t (where the
+        # backward starts, or L for prefill), and only if that leaves anything to fold.
+        vu_fold = tl.where(rows_a[:, None] < save_t, vu_a, 0.0).to(DT)
+        do_write = (a < NR - 1) | (save_t > a * BM)
 
-        # Diagonal tile first, so every row's running max is finite from the start (spec §3.4, point 5).
-        qu_a = tl.load(QU + ptr_a, mask=mask_a, other=0.0).to(DT)
-        kc_a = tl.load(KC + ptr_a, mask=mask_a, other=0.0).to(DT)
-        vc_a = tl.load(VC + ptr_a, mask=mask_a, other=0.0).to(DT)
-        sig = _lookahead_sigma(qu_a, ku_a, rows_a, rows_a, scale, W, PREC).to(DT)
-        s = tl.dot(r, tl.trans(sig), input_precision=PREC)                     # eq (22)
-        sc = tl.dot(qc_a, tl.trans(kc_a), input_precision=PREC) * scale - s * tl.sigmoid(s)
-        sc = tl.where(rows_a[:, None] >= rows_a[None, :], sc * _LOG2E, float("-inf"))
-        m = tl.max(sc, 1)
-        p = tl.exp2(sc - m[:, None])
-        l = tl.sum(p, 1)
-        acc = tl.dot(p.to(DT), vc_a, input_precision=PREC)
-        if do_write:
-            u_new = tl.dot(sig, vu_fold, input_precision=PREC)                 # eq (23), block a's own keys
-            tl.store(u_base + rows_a[:, None] * BLOCK_D + offs_d[None, :], u_new)
-            tl.debug_barrier()
-            tl.atomic_xchg(flags + a, 1, sem="release", scope="gpu")
+        m = tl.full([BM], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([BM], dtype=tl.float32)
+        acc = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
+        first = a * (BM // BN)                       # first key block inside the row block
+        step = 0
+        while step < first + BM // BN:
+            # Own key blocks left to right (the first one leaves every row's running max finite, spec
+            # §3.4 point 5), then the earlier ones right to left.
+            c = tl.where(step < BM // BN, first + step, first + BM // BN - 1 - step)
+            own = c >= first
+            rows_c = c * BN + offs_n
+            mask_c = (rows_c[:, None] < L) & dmask
+            ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
+            qu_c = tl.load(QU + ptr_c, mask=mask_c, other=0.0).to(DT)
+            kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
+            vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
+            u_ptr = u_base + rows_c[:, None] * BLOCK_D + offs_d[None, :]
+            last_row = _last_row_block(c, W, NR, BM, BN)
 
-        step = 1
-        while step <= a:
-            b = a - step
-            rows_b = b * BLOCK + offs_r
-            ptr_b = off + rows_b[:, None] * stride_l + offs_d[None, :]
-            qu_b = tl.load(QU + ptr_b, mask=dmask, other=0.0).to(DT)
-            kc_b = tl.load(KC + ptr_b, mask=dmask, other=0.0).to(DT)
-            vc_b = tl.load(VC + ptr_b, mask=dmask, other=0.0).to(DT)
-            # U_b as of the start of row a: written by row a-1, or frozen earlier by the window.
-            last_row = _last_writer_row(b, W, N, BLOCK)
-            writer = tl.minimum(a - 1, last_row)
-            while tl.atomic_add(flags + writer, 0, sem="acquire", scope="gpu") < writer - b + 1:
-                pass
-            u_ptr = u_base + rows_b[:, None] * BLOCK_D + offs_d[None, :]
-            u_b = tl.load(u_ptr, cache_modifier=".cg")
-            s_b = tl.dot(qc_a, tl.trans(u_b.to(DT)), input_precision=PREC) * scale  # eq (24), first term
+            s = tl.zeros([BM, BN], dtype=tl.float32)
+            if not own:
+                # U_c as of the start of row block a: written by row a-1, or frozen earlier by the window.
+                writer = tl.minimum(a - 1, last_row)
+                while tl.atomic_add(flags + writer, 0, sem="acquire", scope="gpu") < _fold_count(c, writer, BM, BN):
+                    pass
+                u_c = tl.load(u_ptr, cache_modifier=".cg").to(DT)
+                s = tl.dot(qc_a, tl.trans(u_c), input_precision=PREC) * scale     # eq (24), first term
             if a <= last_row:
-                sig_b = _lookahead_sigma(qu_b, ku_a, rows_b, rows_a, scale, W, PREC).to(DT)
-                s_b += tl.dot(r, tl.trans(sig_b), input_precision=PREC)         # eq (24), local term
+                sig = _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC).to(DT)
+                s += tl.dot(r, tl.trans(sig), input_precision=PREC)               # eqs (22)/(24), local
                 if do_write:
-                    tl.store(u_ptr, u_b + tl.dot(sig_b, vu_fold, input_precision=PREC))  # eq (23)
+                    upd = tl.dot(sig, vu_fold, input_precision=PREC)              # eq (23)
+                    if own:
+                        tl.store(u_ptr, upd)
+                    else:  # only this program touches U_c now: a relaxed add is exact, no fp32 copy held
+                        tl.atomic_add(u_ptr, upd, sem="relaxed")
                     tl.debug_barrier()
                     tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
-            sc_b = tl.dot(qc_a, tl.trans(kc_b), input_precision=PREC) * scale - s_b * tl.sigmoid(s_b)
-            sc_b = sc_b * _LOG2E
-            m_new = tl.maximum(m, tl.max(sc_b, 1))
+            sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * tl.sigmoid(s)  # (19)
+            sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc * _LOG2E, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 1))      # online softmax (Algorithm 2)
             alpha = tl.exp2(m - m_new)
-            p_b = tl.exp2(sc_b - m_new[:, None])
-            l = l * alpha + tl.sum(p_b, 1)
-            acc = acc * alpha[:, None] + tl.dot(p_b.to(DT), vc_b, input_precision=PREC)
+            p = tl.exp2(sc - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(DT), vc_c, input_precision=PREC)
             m = m_new
             step += 1
 
         o_ptr = O + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=mask_a)
-        tl.store(LSE + bh.to(tl.int64) * (N * BLOCK) + rows_a, m + tl.log2(l))  # log2 units
+        tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(l))
 
     @triton.jit
     def _castle_bwd_tile(
         QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU,
-        a, b, off, g_off, lse_off, stride_l, L, N, W, scale, last_row,
-        qu_b, kc_b, vc_b, rows_b, u, du, dkc, dvc, dqu,
-        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        a, c, off, g_off, lse_off, stride_l, L, NR, W, scale, last_row,
+        qu_c, kc_c, vc_c, rows_c, u, du, dkc, dvc, dqu,
+        HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr,
     ):
-        """Tile (query row block a, key column block b) of the backward; u = U_b at the start of row a+1
-        on entry and at the start of row a on return."""
-        offs_r = tl.arange(0, BLOCK)
+        """Tile (query row block a, key block c) of the backward. u = U_c as of the start of row block
+        a + 1 on entry and of row block a on return; du, dkc, dvc, dqu accumulate for key block c."""
+        offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, BLOCK_D)
-        tril = offs_r[:, None] >= offs_r[None, :]
-        rows_a = a * BLOCK + offs_r
+        tril = offs_m[:, None] >= offs_m[None, :]
+        rows_a = a * BM + offs_m
         mask_a = (rows_a[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
         ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
         g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
@@ -374,109 +382,112 @@ if triton is not None:
         lse_a = tl.load(LSE + lse_off + rows_a)
         delta_a = tl.load(DELTA + lse_off + rows_a)
         in_window = a <= last_row
+        folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
+        after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
 
-        s = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-        dsig = tl.zeros([BLOCK, BLOCK], dtype=tl.float32)
-        dvu_a = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        sig = tl.zeros([BLOCK, BLOCK], dtype=DT)
-        r = tl.zeros([BLOCK, BLOCK], dtype=DT)
+        # Recompute the scores of the tile (eqs 22/24, 19), undoing row a's update of U_c first (eq 33).
+        s = tl.zeros([BM, BN], dtype=tl.float32)
+        sig = tl.zeros([BN, BM], dtype=DT)
+        r = tl.zeros([BM, BM], dtype=DT)
         if in_window:
-            sig = _lookahead_sigma(qu_b, ku_a, rows_b, rows_a, scale, W, PREC).to(DT)
-            if a < N - 1:
-                # Undo row a's update of U_b (eq 33) and route dU from later rows into it (eq 32).
+            sig = _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC).to(DT)
+            if folded:
                 u -= tl.dot(sig, vu_a, input_precision=PREC)
-                du_t = du.to(DT)
-                dsig = tl.dot(du_t, tl.trans(vu_a), input_precision=PREC)
-                dvu_a = tl.dot(tl.trans(sig), du_t, input_precision=PREC)
-            r = tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale
-            r = tl.where(tril, r, 0.0).to(DT)
-            s = tl.dot(r, tl.trans(sig), input_precision=PREC)                      # eq (24) local term
+            r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
+            s = tl.dot(r, tl.trans(sig), input_precision=PREC)
         u_t = u.to(DT)
-        if a > b:
-            s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale           # eq (24) first term
-
+        if after:
+            s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
         sg = tl.sigmoid(s)
-        sc = tl.dot(qc_a, tl.trans(kc_b), input_precision=PREC) * scale - s * sg
-        sc = tl.where(rows_a[:, None] >= rows_b[None, :], sc * _LOG2E, float("-inf"))
+        sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
+        sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc * _LOG2E, float("-inf"))
         p = tl.exp2(sc - lse_a[:, None])                                            # eq (25)
-        dp = tl.dot(do_a, tl.trans(vc_b), input_precision=PREC)                     # eq (26)
+        dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                     # eq (26)
         da = p * (dp - delta_a[:, None])                                            # eq (28)
-        ds = -da * sg * (1.0 + s * (1.0 - sg))                                      # eq (29)
-        da_t = da.to(DT)
-        ds_t = ds.to(DT)
-        dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)               # eq (27)
-        dkc += tl.dot(tl.trans(da_t), qc_a, input_precision=PREC)                   # eq (30)
-        dqc_a = tl.dot(da_t, kc_b, input_precision=PREC)
-        if a > b:
-            dqc_a += tl.dot(ds_t, u_t, input_precision=PREC)
-            du += tl.dot(tl.trans(ds_t), qc_a, input_precision=PREC) * scale
+        ds = (-da * sg * (1.0 + s * (1.0 - sg))).to(DT)                             # eq (29)
+
+        # Causal-score gradients (eqs 27, 30) and dQc; temporaries die in this order to spare registers.
+        dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)
+        da = da.to(DT)
+        dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)
+        dqc_a = tl.dot(da, kc_c, input_precision=PREC)
+        if after:
+            dqc_a += tl.dot(ds, u_t, input_precision=PREC)
         if in_window:
-            e = tl.dot(ds_t, sig, input_precision=PREC)                              # eq (31)
-            e = tl.where(tril, e, 0.0).to(DT)
+            e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)      # eq (31)
             dqc_a += tl.dot(e, vu_a, input_precision=PREC)
-            dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
-            # Both gradient paths into sigma_{b,a}: the local term and the update of U_b.
-            sig32 = sig.to(tl.float32)
-            dz = (dsig + tl.dot(tl.trans(ds_t), r, input_precision=PREC)) * sig32 * (1.0 - sig32)
-            dz_t = dz.to(DT)
-            dqu += tl.dot(dz_t, ku_a, input_precision=PREC)
-            dku_a = tl.dot(tl.trans(dz_t), qu_b, input_precision=PREC) * scale
+            # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a (eq 32),
+            # so dU gets this tile's own contribution only at the end.
+            dvu_a = tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+            if folded:
+                dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
             tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
-            tl.atomic_add(DKU + g_ptr, dku_a, mask=mask_a, sem="relaxed")
+            # Both gradient paths into sigma_{c,a}: the local term (via R) and the update of U_c.
+            dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
+            if folded:
+                dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
+            sig32 = sig.to(tl.float32)
+            dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
+            dqu += tl.dot(dz, ku_a, input_precision=PREC)
+            tl.atomic_add(DKU + g_ptr, tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale,
+                          mask=mask_a, sem="relaxed")
         tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
+        if after:
+            du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
         return u, du, dkc, dvc, dqu
 
     @triton.jit
     def _castle_bwd_kernel(
         QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U,
         DQC, DKC, DVC, DQU, DKU, DVU,
-        stride_b, stride_h, stride_l, H, L, N, W, scale, lse_rows, u_rows,
-        HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+        stride_b, stride_h, stride_l, H, L, NR, NC, W, scale, lse_rows, u_rows,
+        HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
     ):
-        # One program per (head, key column block b); within a head the longest column (b = 0) first.
+        # One program per (head, key block c); within a head the longest column (c = 0) first.
         pid = tl.program_id(0)
-        bh = pid // N
-        b = pid % N
+        bh = pid // NC
+        c = pid % NC
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
 
-        offs_r = tl.arange(0, BLOCK)
+        offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, BLOCK_D)
-        rows_b = b * BLOCK + offs_r
-        mask_b = (rows_b[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
-        ptr_b = off + rows_b[:, None] * stride_l + offs_d[None, :]
-        qu_b = tl.load(QU + ptr_b, mask=mask_b, other=0.0).to(DT)
-        kc_b = tl.load(KC + ptr_b, mask=mask_b, other=0.0).to(DT)
-        vc_b = tl.load(VC + ptr_b, mask=mask_b, other=0.0).to(DT)
-        # Lookahead keys of block b at the start of the last row block (saved by the forward).
-        u = tl.load(U + bh.to(tl.int64) * u_rows * BLOCK_D + rows_b[:, None] * BLOCK_D + offs_d[None, :])
-        du = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        dkc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        dvc = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        dqu = tl.zeros([BLOCK, BLOCK_D], dtype=tl.float32)
-        last_row = _last_writer_row(b, W, N, BLOCK)
+        rows_c = c * BN + offs_n
+        mask_c = (rows_c[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
+        ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
+        qu_c = tl.load(QU + ptr_c, mask=mask_c, other=0.0).to(DT)
+        kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
+        vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
+        # Lookahead keys of block c as of the start of the last row block (saved by the forward).
+        u = tl.load(U + bh.to(tl.int64) * u_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
+        du = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
+        dkc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
+        dvc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
+        dqu = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
+        last_row = _last_row_block(c, W, NR, BM, BN)
+        own_row = c // (BM // BN)                                 # the row block holding key block c
 
         if INTERPRET:  # the interpreter cannot take program-dependent range() bounds (numpy >= 2)
-            a = N - 1
-            while a >= b:
+            a = NR - 1
+            while a >= own_row:
                 u, du, dkc, dvc, dqu = _castle_bwd_tile(
-                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, a, b, off, g_off, lse_off, stride_l,
-                    L, N, W, scale, last_row, qu_b, kc_b, vc_b, rows_b, u, du, dkc, dvc, dqu,
-                    HEAD_DIM, BLOCK, BLOCK_D, DT, PREC)
+                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, a, c, off, g_off, lse_off, stride_l,
+                    L, NR, W, scale, last_row, qu_c, kc_c, vc_c, rows_c, u, du, dkc, dvc, dqu,
+                    HEAD_DIM, BM, BN, BLOCK_D, DT, PREC)
                 a -= 1
         else:
-            for i in range(0, N - b):
+            for i in range(0, NR - own_row):
                 u, du, dkc, dvc, dqu = _castle_bwd_tile(
-                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, N - 1 - i, b, off, g_off, lse_off, stride_l,
-                    L, N, W, scale, last_row, qu_b, kc_b, vc_b, rows_b, u, du, dkc, dvc, dqu,
-                    HEAD_DIM, BLOCK, BLOCK_D, DT, PREC)
+                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, NR - 1 - i, c, off, g_off, lse_off, stride_l,
+                    L, NR, W, scale, last_row, qu_c, kc_c, vc_c, rows_c, u, du, dkc, dvc, dqu,
+                    HEAD_DIM, BM, BN, BLOCK_D, DT, PREC)
 
-        g_ptr = g_off + rows_b[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(DKC + g_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_b)
-        tl.store(DVC + g_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_b)
-        tl.store(DQU + g_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_b)
+        g_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(DKC + g_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
+        tl.store(DVC + g_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_c)
+        tl.store(DQU + g_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_c)
 
 
 def _interpreting():
@@ -499,21 +510,21 @@ def _prepare(xs):
 
 
 def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
-    """-> out (B, H, L, D), lse (BH, Np*bs) log2 units, u (BH, Np*bs, block_d) fp32."""
+    """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}."""
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
-    bs, block_d = cfg.block_fwd, max(16, triton.next_power_of_2(D))
-    n = triton.cdiv(L, bs)
+    block_d = max(16, triton.next_power_of_2(D))
+    nr = triton.cdiv(L, cfg.m_fwd)
     out = torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device)
-    lse = torch.empty(B * H, n * bs, dtype=torch.float32, device=qc.device)
-    u = torch.empty(B * H, n * bs, block_d, dtype=torch.float32, device=qc.device)
-    sync = torch.zeros(B * H * n + 1, dtype=torch.int32, device=qc.device)
+    lse = torch.empty(B * H, nr * cfg.m_fwd, dtype=torch.float32, device=qc.device)
+    u = torch.empty(B * H, nr * cfg.m_fwd, block_d, dtype=torch.float32, device=qc.device)
+    sync = torch.zeros(B * H * nr + 1, dtype=torch.int32, device=qc.device)
     dt = _dot_dtype(qc.dtype)
-    _castle_fwd_kernel[(B * H * n,)](
+    _castle_fwd_kernel[(B * H * nr,)](
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
-        qc.stride(0), qc.stride(1), qc.stride(2), H, L, n, _window_or_len(window, L), save_t, scale,
-        HEAD_DIM=D, BLOCK=bs, BLOCK_D=block_d, DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
-        num_warps=cfg.warps_fwd, num_stages=cfg.stages_fwd,
+        qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t, scale,
+        HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt,
+        PREC="ieee" if dt == tl.float32 else "tf32", num_warps=cfg.warps_fwd, num_stages=1,
     )
     return out, lse, u
 
@@ -521,22 +532,20 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
 def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
-    bs, block_d = cfg.block_bwd, u.shape[-1]
-    n = triton.cdiv(L, bs)
+    nr, nc = triton.cdiv(L, cfg.m_bwd), triton.cdiv(L, cfg.n_bwd)
     do = do.contiguous()
     delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
     delta[:, :L] = (do.float() * out.float()).sum(-1).flatten(0, 1)
-    acc = [torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3)]
-    dqc, dku, dvu = acc
+    dqc, dku, dvu = (torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3))
     dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
     dt = _dot_dtype(qc.dtype)
-    _castle_bwd_kernel[(B * H * n,)](
+    _castle_bwd_kernel[(B * H * nc,)](
         qc, kc, vc, qu, ku, vu, do, lse, delta, u,
         dqc, dkc, dvc, dqu, dku, dvu,
-        qc.stride(0), qc.stride(1), qc.stride(2), H, L, n, _window_or_len(window, L), scale,
+        qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, _window_or_len(window, L), scale,
         lse.shape[1], u.shape[1],
-        HEAD_DIM=D, BLOCK=bs, BLOCK_D=block_d, DT=dt, PREC="ieee" if dt == tl.float32 else "tf32",
-        INTERPRET=_interpreting(),
+        HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=u.shape[-1], DT=dt,
+        PREC="ieee" if dt == tl.float32 else "tf32", INTERPRET=_interpreting(),
         num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
     )
     return dqc.to(qc.dtype), dkc, dvc, dqu, dku.to(qc.dtype), dvu.to(qc.dtype)
@@ -546,7 +555,7 @@ class _CastleTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qc, kc, vc, qu, ku, vu, window, scale, cfg):
         L = qc.shape[-2]
-        save_t = (triton.cdiv(L, cfg.block_bwd) - 1) * cfg.block_bwd  # start of the backward's last row block
+        save_t = (triton.cdiv(L, cfg.m_bwd) - 1) * cfg.m_bwd  # start of the backward's last row block
         out, lse, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
         ctx.save_for_backward(qc, kc, vc, qu, ku, vu, out, lse, u)
         ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
@@ -560,10 +569,9 @@ class _CastleTriton(torch.autograd.Function):
 
 def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
     assert triton is not None, "impl='triton' needs triton"
-    D, L = qc.shape[-1], qc.shape[-2]
-    assert D <= 128, "the Triton kernels take head dims up to 128"
-    cfg = cfg or _default_config(max(16, triton.next_power_of_2(D)), qc.dtype, L)
-    assert cfg.block_fwd % cfg.block_bwd == 0, "block_bwd must divide block_fwd"
+    assert qc.shape[-1] <= 128, "the Triton kernels take head dims up to 128"
+    cfg = cfg or _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype)
+    assert cfg.m_fwd % cfg.n_fwd == 0 and cfg.m_bwd % cfg.n_bwd == 0 and cfg.m_fwd % cfg.m_bwd == 0, cfg
     return _CastleTriton.apply(qc, kc, vc, qu, ku, vu, window, scale, cfg)
 
 
@@ -632,7 +640,7 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None):
     L = qc.shape[-2]
     if qc.is_cuda and triton is not None and qc.dtype != torch.float64 and L > 0:
         # The forward kernel's U buffer, with the last row block folded in too, is U^L (spec §4.3).
-        cfg = _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype, L)
+        cfg = _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype)
         out, _, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L)
         u = u.view(*qc.shape[:2], -1, u.shape[-1])[:, :, :L, : qc.shape[-1]]
     else:

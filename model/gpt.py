@@ -4,10 +4,13 @@ Attention is a config switch (`GPTConfig.attention`). Every attention module has
 interface, so Block and GPT never change when a variant is added:
 
     forward(x, rope, cache=None) -> y     x: (B, T, n_embd); rope: (cos, sin) for these T positions
-    new_cache(batch_size, max_len, device, dtype) -> cache object for cached decoding
+    new_cache(batch_size, max_len, device, dtype, group=None) -> cache object for cached decoding
     flops_per_token(seq_len) -> attention-core FLOPs per token (forward + backward), for MFU
 
 With a cache, `forward` appends the T new positions to it and attends over everything cached.
+With a process group of p > 1 ranks, `new_cache` splits every layer's cache along the sequence
+axis over the ranks (tree attention, kernels/tree.py): every rank runs the same tokens, stores the
+positions it owns and merges its partial attention with the others' exactly (`GPT.new_cache`).
 """
 import glob
 import math
@@ -15,11 +18,13 @@ import os
 from dataclasses import asdict, dataclass, fields
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.castle import castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.tree import castle_bias, castle_update, fox_bias, mask_bias, tree_decode
 
 CHECKPOINT_FORMAT = "attn-lm-checkpoint-v1"
 
@@ -179,22 +184,57 @@ def register_attention(name):
 
 
 class KVCache:
-    """Preallocated keys/values (B, H, max_len, D) plus how many positions are filled."""
+    """Preallocated keys/values (B, H, rows, D) plus how many positions are filled.
 
-    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype):
-        self.k = torch.zeros(batch_size, n_head, max_len, head_dim, device=device, dtype=dtype)
+    With a process `group` of p > 1 ranks this is one rank's share of a cache split along the
+    sequence axis, round robin: global position j is stored by rank j % p in its local row j // p.
+    Every rank allocates ceil(max_len / p) rows, the shards never differ by more than one position
+    (a decode step waits for the largest shard), and every prefill chunk is spread evenly. `length`
+    counts the positions of all ranks (the same on every rank). Without a group row j is position j.
+    """
+
+    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.max_len = max_len
+        rows = -(-max_len // self.world)
+        self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
         self.length = 0
 
+    def rows_before(self, pos):
+        """How many local rows hold positions < pos (= the local row of the first position >= pos)."""
+        return len(range(self.rank, max(pos, 0), self.world))
+
+    @property
+    def n_local(self):
+        return self.rows_before(self.length)
+
+    def key_positions(self, first_row=0):
+        """Global positions of the local rows first_row .. n_local - 1."""
+        return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.k.device)
+
+    def _rows(self, start, T):
+        """The positions start .. start + T - 1 stored here: (strided slice of the chunk, local rows)."""
+        return (slice((self.rank - start) % self.world, None, self.world),
+                slice(self.rows_before(start), self.rows_before(start + T)))
+
+    def store(self, **new):
+        """Append T positions: each named buffer gets this rank's share of its (B, H, T, ...) tensor."""
+        T = next(iter(new.values())).size(2)
+        if self.length + T > self.max_len:
+            raise RuntimeError(f"KV cache overflow: {self.length + T} positions > capacity {self.max_len}")
+        chunk, rows = self._rows(self.length, T)
+        for name, x in new.items():
+            getattr(self, name)[:, :, rows] = x[:, :, chunk]
+        self.length += T
+
     def append(self, k, v):
-        """Store T new positions; return all cached keys and values so far."""
-        end = self.length + k.size(2)
-        if end > self.k.size(2):
-            raise RuntimeError(f"KV cache overflow: {end} positions > capacity {self.k.size(2)}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+        """Store T new positions; return the keys and values held here (all of them, unsharded)."""
+        self.store(k=k, v=v)
+        n = self.n_local
+        return self.k[:, :, :n], self.v[:, :, :n]
 
 
 def split_heads(x, n_head):
@@ -238,21 +278,25 @@ def token_shift(x, alpha, prev):
 
 class SoftmaxCache(KVCache):
     """KV cache plus what FoX and the Pro block carry between steps: the cumulative log forget
-    gate c of every cached position (float64, kernels.forgetting's precision policy) and the last
-    raw (unshifted) key and value."""
+    gate c of every cached position (float64, kernels.forgetting's precision policy), c of the
+    newest position, and the last raw (unshifted) key and value. Sharded, the rows hold this
+    rank's positions; c_last and the raw key/value belong to the stream, the same on every rank."""
 
-    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype):
-        super().__init__(batch_size, n_head, max_len, head_dim, device, dtype)
-        self.log_fgate_cumsum = torch.zeros(batch_size, n_head, max_len, device=device, dtype=torch.float64)
+    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
+        super().__init__(batch_size, n_head, max_len, head_dim, device, dtype, group)
+        self.log_fgate_cumsum = torch.zeros(self.k.shape[:3], device=device, dtype=torch.float64)
+        self.c_last = torch.zeros(batch_size, n_head, 1, device=device, dtype=torch.float64)
         self.last_raw_k = torch.zeros(batch_size, n_head, 1, head_dim, device=device, dtype=dtype)
         self.last_raw_v = torch.zeros_like(self.last_raw_k)
 
     def append_gates(self, log_fgate):
-        """Store c for the newest T positions (call after append); return c of all positions."""
-        start = self.length - log_fgate.size(-1)
-        c = self.log_fgate_cumsum
-        c[:, :, start:self.length] = fgate_cumsum(log_fgate, c[:, :, :start])
-        return c[:, :, :self.length]
+        """Store c for the newest T positions (call after append); return c of the rows held here."""
+        T = log_fgate.size(-1)
+        c = fgate_cumsum(log_fgate, self.c_last)
+        self.c_last = c[..., -1:]
+        chunk, rows = self._rows(self.length - T, T)
+        self.log_fgate_cumsum[:, :, rows] = c[:, :, chunk]
+        return self.log_fgate_cumsum[:, :, :self.n_local]
 
 
 class SoftmaxAttention(nn.Module):
@@ -311,14 +355,16 @@ class SoftmaxAttention(nn.Module):
 
     def attend(self, q, k, v, log_fgate, cache):
         T = q.size(2)
+        c = None
         if cache is not None:
             k, v = cache.append(k, v)
+            c = cache.append_gates(log_fgate) if log_fgate is not None else None
+            if cache.group is not None:
+                return attend_sharded(q, k, v, c, cache)
         fresh = k.size(2) == T               # no earlier positions: the parallel training kernels apply
         if log_fgate is not None:
-            if cache is not None:
-                c = cache.append_gates(log_fgate)
-                if not fresh:
-                    return forgetting_decode(q, k, v, c)
+            if cache is not None and not fresh:
+                return forgetting_decode(q, k, v, c)
             return forgetting_attn(q, k, v, log_fgate)
         dropout = self.dropout if self.training else 0.0
         if fresh:
@@ -326,12 +372,28 @@ class SoftmaxAttention(nn.Module):
         mask = cached_causal_mask(T, k.size(2), q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
 
-    def new_cache(self, batch_size, max_len, device, dtype):
-        return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype)
+    def new_cache(self, batch_size, max_len, device, dtype, group=None):
+        return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
 
     def flops_per_token(self, seq_len):
         # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key); causal not halved
         return 12 * self.n_head * self.head_dim * seq_len
+
+
+def attend_sharded(q, k, v, c, cache):
+    """The T new queries over a sharded cache: this rank's rows k, v (FoX: their c) merged exactly
+    with every other rank's by tree attention. Positions are global; a single new token sees every
+    cached position, a prefill chunk is causal inside itself (mask_bias). FoX's bias is -c_j taken
+    relative to the stream's newest c, a shift common to all keys that keeps recent keys exact."""
+    T = q.size(2)
+    bias = None
+    if T > 1:
+        q_pos = torch.arange(cache.length - T, cache.length, device=q.device)
+        bias = mask_bias(q_pos, cache.key_positions())
+    if c is not None:
+        fox = fox_bias(c - cache.c_last)
+        bias = fox if bias is None else bias + fox
+    return tree_decode(q, k, v, group=cache.group, bias_local=bias)
 
 
 register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))
@@ -343,6 +405,16 @@ class CastleCache:
 
     def __init__(self):
         self.state = None
+
+
+class ShardedCastleCache(KVCache):
+    """CASTLE's UQ-KV cache split over the ranks of a group like KVCache (round robin): k, v hold
+    K^C, V^C, plus the lookahead keys U (fp32; fp64 for fp64) and queries Q^U of the rows held here."""
+
+    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group):
+        super().__init__(batch_size, n_head, max_len, head_dim, device, dtype, group)
+        self.u = torch.zeros_like(self.k, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        self.qu = torch.zeros_like(self.k)
 
 
 class CastleAttention(nn.Module):
@@ -367,6 +439,9 @@ class CastleAttention(nn.Module):
             vu = apply_rope(vu, rope)
         if cache is None:
             y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window)
+        elif isinstance(cache, ShardedCastleCache):   # one position at a time, prompt included
+            y = torch.cat([self.decode_sharded(cache, *(z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)))
+                           for t in range(x.size(1))], dim=2)
         elif cache.state is None:
             y, cache.state = castle_prefill(qc, kc, vc, qu, ku, vu, window=self.window)
         else:                                # one position at a time through the UQ-KV cache
@@ -378,7 +453,22 @@ class CastleAttention(nn.Module):
             y = torch.cat(steps, dim=2)
         return self.out(merge_heads(y))
 
-    def new_cache(self, batch_size, max_len, device, dtype):
+    def decode_sharded(self, cache, qc, kc, vc, qu, ku, vu):
+        """One new position, on every rank (tree_attention.md §9.2): each rank adds the token's
+        term to the lookahead keys of its own rows (SWL: those within the window), the owner
+        stores (u = 0, q^U, k^C, v^C), then tree attention with the per-row bias -SiLU(q^C.u_s)."""
+        pos, n = cache.length, cache.n_local
+        lo = 0 if self.window is None else cache.rows_before(pos - self.window)
+        castle_update(cache.u[:, :, lo:n], cache.qu[:, :, lo:n], ku, vu, pos=pos,
+                      k_pos=cache.key_positions(lo), window=self.window)
+        cache.store(k=kc, v=vc, qu=qu)
+        n = cache.n_local
+        return tree_decode(qc, cache.k[:, :, :n], cache.v[:, :, :n], group=cache.group,
+                           bias_local=castle_bias(qc, cache.u[:, :, :n]))
+
+    def new_cache(self, batch_size, max_len, device, dtype, group=None):
+        if group is not None:
+            return ShardedCastleCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
         return CastleCache()
 
     def flops_per_token(self, seq_len):
@@ -489,10 +579,17 @@ class GPT(nn.Module):
                                    ignore_index=-1)
         return logits, loss
 
-    def new_cache(self, batch_size, max_len, device=None, dtype=None):
+    def new_cache(self, batch_size, max_len, device=None, dtype=None, group=None):
+        """Every layer's cache for max_len positions. With a process group of p > 1 ranks each
+        rank holds only its ceil(max_len / p) positions of every layer (round robin, KVCache) and
+        attention merges the ranks' partial results exactly (kernels/tree.py); every rank of the
+        group must then run the same tokens through the model."""
         device = device or self.wte.weight.device
         dtype = dtype or self.wte.weight.dtype
-        return InferenceCache([b.attn.new_cache(batch_size, max_len, device, dtype) for b in self.blocks])
+        if group is not None and dist.get_world_size(group) < 2:
+            group = None
+        return InferenceCache([b.attn.new_cache(batch_size, max_len, device, dtype, group)
+                               for b in self.blocks])
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token: 6N for the weights + each layer's own attention-core FLOPs."""
@@ -508,23 +605,30 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        eot_token=None, use_cache=True):
+                        eot_token=None, use_cache=True, group=None, prefill_chunk=None):
         """Yield (B,) new tokens one step at a time. temperature 0 is greedy.
 
         Stops early once every row has produced `eot_token`; rows that finished keep emitting it.
+        group: split the cache over this process group (`new_cache`); call on every rank with the
+        same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
+        one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         """
         B, T0 = idx.shape
         if self.wpe is not None and T0 + max_new_tokens > self.config.block_size and use_cache:
             raise ValueError(f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
                              f"{self.config.block_size} of a model with learned positions")
-        cache = self.new_cache(B, T0 + max_new_tokens) if use_cache else None
+        cache = self.new_cache(B, T0 + max_new_tokens, group=group) if use_cache else None
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         seq, step_input = idx, idx
         for _ in range(max_new_tokens):
             if cache is None:
                 step_input = seq[:, -self.config.block_size:]
-            logits, _ = self(step_input, cache=cache, last_only=True)
+            chunk = prefill_chunk if cache is not None and prefill_chunk else step_input.size(1)
+            for piece in step_input.split(chunk, dim=1):
+                logits, _ = self(piece, cache=cache, last_only=True)
             token = sample_token(logits[:, -1].float(), temperature, top_k, top_p)
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
             if eot_token is not None:
                 token = torch.where(done, torch.full_like(token, eot_token), token)
                 done |= token == eot_token
@@ -536,10 +640,10 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eot_token=None,
-                 use_cache=True):
+                 use_cache=True, group=None, prefill_chunk=None):
         """idx (B, T) -> (B, T + n) with n <= max_new_tokens new tokens appended."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eot_token,
-                                        use_cache))
+                                        use_cache, group, prefill_chunk))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     # ------------------------------------------------------------------------- checkpoints
