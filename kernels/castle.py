@@ -23,28 +23,32 @@ impl:
     "auto"      "triton" on CUDA, "torch" on CPU (and for fp64).
 
 How the Triton kernels schedule the block algorithm (equivalent to the paper's anti-diagonal sweep):
-  * Forward, one program per (query row block a, batch*head). It walks its key blocks b = a, a-1, ..., 0
-    keeping the online-softmax state in registers, like FlashAttention. What a tile (a, b) needs besides
-    the inputs is U_b, the lookahead keys of block b as they stand at the start of block a (the spec's
-    D^{(a-b)}_{:,b}, transposed). That lives in one fp32 (L x d) buffer: program a reads U_b written by
-    program a-1, adds the contributors of its own block a and writes U_b back for program a+1. So the
-    sigma tile of (b, a) is computed once and used twice (spec §3.7), and R_a once per row. Program a
-    waits on program a-1 through a per-(head, row) progress counter (release/acquire atomics); programs
-    draw tickets from an atomic counter, so a program only ever waits on one that already started (no
-    deadlock whatever order the GPU starts them in). A wave of rows runs one tile apart, one launch.
-  * Backward, one program per (key column block b, batch*head), no waiting at all: it starts from the
-    saved U_b (its value at the start of the last row block), walks rows a = N-1 ... b, and rebuilds the
-    earlier values by subtraction (spec eq 33), carrying U_b, dU_b and the column gradients
-    dKc, dVc, dQu in registers. Row gradients dQc, dKu, dVu are fp32 atomic adds (so the backward is not
-    bitwise deterministic, like FlashAttention's dQ). The two gradient paths into the sigma tile of
-    (b, a) (through the local term and through the update of U_b) are summed before one use.
+  * Forward, one program per (query row block a, batch*head), m rows; key blocks have n rows (n | m).
+    It walks its own key blocks left to right, then the earlier ones c = ..., 0 right to left, keeping
+    the online-softmax state in registers as FlashAttention does. Besides the inputs a tile (a, c) needs
+    U_c, the lookahead keys of block c as they stand at the start of row block a (the spec's
+    D^{(a-c)}, transposed). All of U lives in one fp32 (L x d) buffer: program a reads U_c written by
+    program a-1, adds the contributors of its own rows and hands U_c on to program a+1. So each sigma
+    tile is computed once and used twice (spec §3.7), and R_a once per row block. Program a waits on
+    program a-1 through a per-(head, row block) progress counter (release/acquire atomics); programs draw
+    tickets from an atomic counter, so a program only ever waits on one that has already started: no
+    deadlock whatever order the GPU starts them in. Rows run as a wave one tile apart, in one launch.
+  * Backward, one program per (key block c, batch*head), with no waiting: it starts from the saved U_c
+    (its value where the backward's last row block starts), walks the row blocks from the last one down,
+    and recovers the earlier values by subtraction (spec eq 33), carrying U_c, dU_c and the key-block
+    gradients dKc, dVc, dQu in registers. Row gradients dQc, dKu, dVu are fp32 atomic adds, so the
+    backward is not bitwise deterministic (like FlashAttention's dQ); the forward is. The two gradient
+    paths into a sigma tile (the local term, and the update of U_c) are summed before one use.
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
-    the U update; only Qc U_b^T and the causal part remain there.
+    the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators.
+  * Precision: bf16 matmul operands (U, sigma, R, P, dS ... rounded as FlashAttention rounds P), fp32
+    accumulators, statistics, U and dU. On long unit-variance inputs the gradients then carry ~2e-2
+    relative error, as much as the parallel form run with bf16 matmuls (autocast) has; fp32 inputs
+    take exact fp32 matmuls (~1e-6).
 """
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -134,7 +138,7 @@ def _blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
     r = (scale * qc @ vu.mT).masked_fill(~tril, 0.0)                     # R_a of every row block
     u = torch.zeros_like(qu)
     m = torch.full(qc.shape[:-1], float("-inf"), dtype=qc.dtype, device=qc.device)
-    l = torch.zeros_like(m)
+    denom = torch.zeros_like(m)
     acc = torch.zeros_like(vc)
     for k in range(n):
         a, b = slice(k, n), slice(0, n - k)
@@ -152,10 +156,10 @@ def _blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
         m_new = torch.maximum(m[:, :, a], sc.amax(-1))                   # online softmax (Algorithm 2)
         alpha = torch.exp(m[:, :, a] - m_new)
         p = torch.exp(sc - m_new[..., None])
-        l[:, :, a] = l[:, :, a] * alpha + p.sum(-1)
+        denom[:, :, a] = denom[:, :, a] * alpha + p.sum(-1)
         acc[:, :, a] = acc[:, :, a] * alpha[..., None] + p @ vc[:, :, b]
         m[:, :, a] = m_new
-    return acc / l[..., None], m + torch.log(l), u
+    return acc / denom[..., None], m + torch.log(denom), u
 
 
 def _blockwise_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, bs):
@@ -274,7 +278,7 @@ if triton is not None:
 
     @triton.jit
     def _castle_fwd_kernel(
-        QC, KC, VC, QU, KU, VU, O, LSE, U, SYNC,
+        QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
         stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr,
@@ -307,7 +311,7 @@ if triton is not None:
         do_write = (a < NR - 1) | (save_t > a * BM)
 
         m = tl.full([BM], float("-inf"), dtype=tl.float32)
-        l = tl.zeros([BM], dtype=tl.float32)
+        denom = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
         first = a * (BM // BN)                       # first key block inside the row block
         step = 0
@@ -349,14 +353,14 @@ if triton is not None:
             m_new = tl.maximum(m, tl.max(sc, 1))      # online softmax (Algorithm 2)
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
+            denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(DT), vc_c, input_precision=PREC)
             m = m_new
             step += 1
 
-        o_ptr = O + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(o_ptr, (acc / l[:, None]).to(O.dtype.element_ty), mask=mask_a)
-        tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(l))
+        o_ptr = OUT + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(o_ptr, (acc / denom[:, None]).to(OUT.dtype.element_ty), mask=mask_a)
+        tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(denom))
 
     @triton.jit
     def _castle_bwd_tile(
@@ -620,32 +624,25 @@ def _keep_window(qu, window):
     return qu if window is None else qu[..., max(0, qu.shape[-2] - window):, :]
 
 
-def _lookahead_keys(qu, ku, vu, window, scale, rows=256):
-    """U^L = sigmoid(s Qu Ku^T + M^U) Vu (Algorithm 4), one strip of owner rows at a time."""
-    L = qu.shape[-2]
-    idx = torch.arange(L, device=qu.device)
-    strips = [vu[..., :0, :]]
-    for r0 in range(0, L, rows):
-        own = idx[r0:r0 + rows, None]
-        keep = (idx[None, :] > own) & (idx[None, :] <= own + _window_or_len(window, L))
-        strips.append((torch.sigmoid(scale * qu[..., r0:r0 + rows, :] @ ku.mT) * keep) @ vu)
-    return torch.cat(strips, dim=-2)
-
-
 def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None):
-    """Attention over a prompt of L positions plus the UQ-KV cache after it (spec §4.3)."""
+    """Attention over a prompt of L positions plus the UQ-KV cache after it (spec §4.3). The block
+    forward (Triton on CUDA, blockwise PyTorch otherwise) also folds the last block into its U state,
+    which then is U^L: Algorithm 4 for free."""
     _check(qc, kc, vc, qu, ku, vu, window)
     scale = qc.shape[-1] ** -0.5 if scale is None else scale
+    B, H, L, D = qc.shape
     cdt = _compute_dtype(qc.dtype)
-    L = qc.shape[-2]
-    if qc.is_cuda and triton is not None and qc.dtype != torch.float64 and L > 0:
-        # The forward kernel's U buffer, with the last row block folded in too, is U^L (spec §4.3).
-        cfg = _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype)
+    if L == 0:
+        out, u = torch.empty_like(qc), qc.new_zeros(B, H, 0, D, dtype=cdt)
+    elif qc.is_cuda and triton is not None and qc.dtype != torch.float64:
+        cfg = _default_config(max(16, triton.next_power_of_2(D)), qc.dtype)
         out, _, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L)
-        u = u.view(*qc.shape[:2], -1, u.shape[-1])[:, :, :L, : qc.shape[-1]]
+        u = u.view(B, H, -1, u.shape[-1])[:, :, :L, :D]
     else:
-        out = castle_attn(qc, kc, vc, qu, ku, vu, window=window, scale=scale, impl="torch")
-        u = _lookahead_keys(qu.to(cdt), ku.to(cdt), vu.to(cdt), window, scale)
+        bs = 64
+        blocks = [_to_blocks(t.to(cdt), bs) for t in (qc, kc, vc, qu, ku, vu)]
+        out, _, u = _blockwise_forward(*blocks, window, scale, bs, keep_last=True)
+        out, u = out.flatten(2, 3)[:, :, :L].to(qc.dtype), u.flatten(2, 3)[:, :, :L]
     return out, CastleCache(u.to(cdt), _keep_window(qu, window), kc, vc, window, scale)
 
 

@@ -1,0 +1,194 @@
+"""Side-by-side timings of CASTLE implementations on one GPU, with causal FlashAttention (SDPA) as yardstick.
+
+    python scripts/bench_castle.py --L 2048 --D 64 --B 8 --H 16 --dtype bf16 [--window 512] [--sweep]
+
+Rows: our Triton kernels (kernels/castle.py), the materialised parallel form (impl="torch", O(L^3)),
+the blockwise PyTorch path (impl="blockwise"), the PyPI peer `lookahead-keys-attention` when importable,
+and SDPA causal attention at the same shape. Times are medians of CUDA-event timings after warm-up
+(triton.testing.do_bench). TFLOP/s use the spec's count (castle.md §3.7): the block algorithm spends
+~16 B^2 d FLOPs per block pair forward, i.e. 8 L^2 d per head over the causal half (4x FlashAttention's
+2 L^2 d); the backward, counted from Algorithm 3 (spec §3.5: 24 block matmuls per pair), 24 L^2 d.
+For SWL the same dense count is used (an "effective" rate). --sweep times the Triton kernels over tile
+configs instead.
+"""
+import argparse
+import concurrent.futures
+import multiprocessing
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
+from kernels import castle  # noqa: E402
+from kernels.castle import TritonConfig, castle_attn  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def castle_flops(B, H, L, D, backward):
+    fwd = 8 * L * L * D * B * H
+    return fwd * (4 if backward else 1)  # fwd + bwd = 8 + 24 per L^2 d
+
+
+def sdpa_flops(B, H, L, D, backward):
+    fwd = 2 * L * L * D * B * H
+    return fwd * (3.5 if backward else 1)  # FlashAttention's count: bwd = 2.5 x fwd
+
+
+def peer_fn():
+    """The PyPI peer's functional Triton entry point (computes in fp16 internally), or None."""
+    try:
+        from lookahead_keys_attention.lookahead_keys_attention_triton import castle_attention_triton
+    except Exception as e:  # noqa: BLE001 (any import failure means "not available")
+        print(f"peer lookahead-keys-attention not importable: {e!r}")
+        return None
+    return lambda qc, kc, vc, qu, ku, vu, scale: castle_attention_triton(qc, kc, vc, qu, ku, vu, scale, False)
+
+
+def time_ms(fn, inputs, backward, budget_s=1.0):
+    """Median ms of fn (and its backward); a single timed call when one call takes longer than budget_s."""
+    xs = [x for x in inputs if isinstance(x, torch.Tensor)]
+    go = torch.randn_like(fn(*inputs))  # also the warm-up / compile call
+
+    def step():
+        out = fn(*inputs)
+        if backward:
+            out.backward(go)
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step()
+    torch.cuda.synchronize()
+    single = time.perf_counter() - t0
+    if single > budget_s:
+        return single * 1e3, "single run"
+    return do_bench(step, warmup=25, rep=100, grad_to_none=xs, return_mode="median"), ""
+
+
+def run(name, fn, inputs, flops, results):
+    for backward in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            ms, note = time_ms(fn, inputs, backward)
+            mem = torch.cuda.max_memory_allocated() / 2**30
+            tf = flops(backward) / ms / 1e9
+            results.append((name, "fwd+bwd" if backward else "fwd", f"{ms:.3f}", f"{tf:.1f}", f"{mem:.2f}", note))
+        except torch.OutOfMemoryError:
+            results.append((name, "fwd+bwd" if backward else "fwd", "OOM", "", "", ""))
+        except Exception as e:  # noqa: BLE001 (report and go on with the other rows)
+            results.append((name, "fwd+bwd" if backward else "fwd", "error", "", "", repr(e)[:80]))
+        print(results[-1], flush=True)
+        torch.cuda.empty_cache()
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    print("\n".join(lines))
+
+
+FWD_TILES = {64: [(64, 32, 4), (64, 16, 4), (64, 64, 4), (128, 64, 8), (64, 32, 8)],
+             128: [(64, 32, 8), (64, 16, 4), (32, 16, 4), (64, 32, 4), (128, 64, 8)]}   # (m, n, warps)
+BWD_TILES = {64: [(64, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 64, 4, 1), (64, 16, 4, 1),
+                  (64, 32, 4, 2), (128, 64, 8, 1)],
+             128: [(64, 16, 4, 1), (16, 16, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1),
+                   (16, 16, 2, 1)]}                                                    # (m, n, warps, stages)
+
+
+def sweep_configs(D, dtype):
+    default = castle._default_config(max(16, triton.next_power_of_2(D)), dtype)
+    d = 64 if D <= 64 else 128
+    cfgs = [TritonConfig(m, n, w, min(m, default.m_bwd), min(n, default.n_bwd), default.warps_bwd, 1)
+            for m, n, w in FWD_TILES[d]]
+    cfgs += [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st)
+             for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]
+    return list(dict.fromkeys(cfgs))
+
+
+def _compile(cfg, H, L, D, dtype, window):
+    """Run one config once on a one-sequence batch: fills Triton's disk cache (same specialisation)."""
+    try:
+        xs = [torch.randn(1, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(6)]
+        castle._attn_triton(*xs, window, D ** -0.5, cfg).sum().backward()
+        torch.cuda.synchronize()
+        return None
+    except Exception as e:  # noqa: BLE001 (reported by the timing pass)
+        return repr(e)[:200]
+
+
+def sweep(args, xs, scale):
+    """Time the Triton kernels over tile configs: forward tiles with the default backward, then backward
+    tiles with the default forward. Configs compile in parallel processes first."""
+    cfgs = sweep_configs(args.D, xs[0].dtype)
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+        list(pool.map(_compile, cfgs, *zip(*[(args.H, args.L, args.D, xs[0].dtype, args.window)] * len(cfgs))))
+    ref = castle_attn(*xs, window=args.window)
+    go = torch.randn_like(ref)
+    rows = []
+    for cfg in cfgs:
+        fn = lambda: castle._attn_triton(*xs, args.window, scale, cfg)  # noqa: E731
+        try:
+            err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
+            fwd = do_bench(fn, warmup=10, rep=50, return_mode="median")
+            both = do_bench(lambda: fn().backward(go), warmup=10, rep=50, grad_to_none=xs, return_mode="median")
+            rows.append((*cfg.__dict__.values(), f"{fwd:.3f}", f"{both:.3f}", f"{err:.1e}"))
+        except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is just reported)
+            rows.append((*cfg.__dict__.values(), "error", repr(e)[:60], ""))
+        print(rows[-1], flush=True)
+    table([*TritonConfig.__dataclass_fields__, "fwd ms", "fwd+bwd ms", "rel err"], rows)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--L", type=int, default=2048)
+    p.add_argument("--D", type=int, default=64)
+    p.add_argument("--B", type=int, default=8)
+    p.add_argument("--H", type=int, default=16)
+    p.add_argument("--window", type=lambda s: None if s.lower() == "none" else int(s), default=None)
+    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--skip", default="", help="comma list of rows to skip: torch,blockwise,peer,sdpa")
+    p.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
+    p.add_argument("--jobs", type=int, default=8, help="parallel compiles for --sweep")
+    args = p.parse_args()
+    B, H, L, D, dtype = args.B, args.H, args.L, args.D, DTYPES[args.dtype]
+    scale = D ** -0.5
+    torch.manual_seed(0)
+    xs = [torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(6)]
+
+    print(f"$ python {' '.join(sys.argv)}")
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"shape B={B} H={H} L={L} D={D} window={args.window} dtype={args.dtype}")
+    if args.sweep:
+        return sweep(args, xs, scale)
+
+    skip = set(args.skip.split(","))
+    cf = lambda bwd: castle_flops(B, H, L, D, bwd)  # noqa: E731
+    results = []
+    run("castle triton (ours)", lambda *a: castle_attn(*a, window=args.window, impl="triton"), xs, cf, results)
+    if "sdpa" not in skip:
+        run("SDPA causal (FlashAttention), yardstick", lambda q, k, v, *_: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True), xs, lambda bwd: sdpa_flops(B, H, L, D, bwd), results)
+    if "blockwise" not in skip:
+        run("castle blockwise torch (ours)", lambda *a: castle_attn(*a, window=args.window, impl="blockwise"),
+            xs, cf, results)
+    if "torch" not in skip:
+        run("castle parallel torch, materialised", lambda *a: castle_attn(*a, window=args.window, impl="torch"),
+            xs, cf, results)
+    peer = None if "peer" in skip else peer_fn()
+    if peer is not None and args.window is None:
+        small = [x[:1, :2, :256].detach().clone() for x in xs]
+        ours = castle_attn(*small, impl="torch").float()
+        err = ((peer(*small, scale).float() - ours).norm() / ours.norm()).item()
+        print(f"peer vs our reference at B=1 H=2 L=256: rel err {err:.2e}")
+        run("lookahead-keys-attention (PyPI)", lambda *a: peer(*a, scale), xs, cf, results)
+    table(["implementation", "pass", "ms (median)", "TFLOP/s", "peak GiB", "note"], results)
+
+
+if __name__ == "__main__":
+    main()
