@@ -77,7 +77,7 @@ def _world(group):
 def _all_gather(x, group):
     """(p, *x.shape): every rank's x, in rank order (one all-gather)."""
     out = x.new_empty((_world(group) * x.shape[0],) + x.shape[1:])
-    _gather_into(out, x.contiguous(), group=group)
+    _gather_into(out, x.detach().contiguous(), group=group)   # decode is forward-only
     return out.view((-1,) + x.shape)
 
 
@@ -291,7 +291,8 @@ def castle_update(u_local, qu_local, ku, vu, *, pos, k_pos=None, window=None, sc
     Call it on every rank before appending the new row and before castle_bias.
     """
     scale = qu_local.shape[-1] ** -0.5 if scale is None else scale
-    w = torch.sigmoid(scale * (qu_local.float() @ ku.float().transpose(-1, -2)))  # (B, H, t, 1)
+    ct = _at_least_fp32(qu_local.dtype)
+    w = torch.sigmoid(scale * (qu_local.to(ct) @ ku.to(ct).transpose(-1, -2)))  # (B, H, t, 1)
     if k_pos is not None:
         ok = (k_pos >= 0) & (k_pos < pos)
         if window is not None:
@@ -299,14 +300,20 @@ def castle_update(u_local, qu_local, ku, vu, *, pos, k_pos=None, window=None, sc
         w = w * ok.unsqueeze(-1).unsqueeze(-3 if ok.dim() == 2 else 0)
     else:
         assert window is None, "a window needs the global positions k_pos"
-    return u_local.add_((w * vu.float()).to(u_local.dtype))
+    return u_local.add_((w * vu.to(ct)).to(u_local.dtype))
 
 
 def castle_bias(qc, u_local, *, scale=None):
     """CASTLE's per-key logit term -SiLU(scale q^C.u_s) (castle.md §1.4): (B, H, t) -> (B, H, n, t).
     Add it to the causal logits scale q^C.k^C_s by passing it as bias_local with q=qc."""
     scale = qc.shape[-1] ** -0.5 if scale is None else scale
-    return -F.silu(scale * (qc.float() @ u_local.float().transpose(-1, -2)))
+    ct = _at_least_fp32(qc.dtype)
+    return -F.silu(scale * (qc.to(ct) @ u_local.to(ct).transpose(-1, -2)))
+
+
+def _at_least_fp32(dtype):
+    """fp32 for 16-bit inputs, fp64 stays fp64 (the tests' exact references)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 # ----------------------------------------------------------------------------- Triton kernel

@@ -460,7 +460,7 @@ class CastleAttention(nn.Module):
         pos, n = cache.length, cache.n_local
         lo = 0 if self.window is None else cache.rows_before(pos - self.window)
         castle_update(cache.u[:, :, lo:n], cache.qu[:, :, lo:n], ku, vu, pos=pos,
-                      k_pos=cache.key_positions(lo), window=self.window)
+                      k_pos=None if self.window is None else cache.key_positions(lo), window=self.window)
         cache.store(k=kc, v=vc, qu=qu)
         n = cache.n_local
         return tree_decode(qc, cache.k[:, :, :n], cache.v[:, :, :n], group=cache.group,
