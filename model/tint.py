@@ -858,14 +858,7 @@ class ActLayer(nn.Module):
         self.in_map = self.out_map = None
         for name, spec in (("in_map", in_spec), ("out_map", out_spec)):
             if spec is not None:
-                m = HSplitLinear(cfg.H_L, cfg.K, ("dim",), dtype, device)
-                A = torch.zeros(cfg.H_L, cfg.H_L, dtype=torch.float64)
-                for ob, terms in spec.items():
-                    for ib, coef in terms:
-                        for s in range(cfg.S):
-                            A[ob * cfg.S + s, ib * cfg.S + s] += coef
-                m.set_row_mixing(A)
-                setattr(self, name, m)
+                setattr(self, name, _row_mixing_map(cfg, spec, dtype, device))
         self.gate = Gate(cfg, 2, dtype, device)
         out = _blocks_vec(cfg, [0], torch.float64)
         self.gate.set(0, 1 - out, 1)
