@@ -1,0 +1,108 @@
+"""Training throughput of every variant: tokens/s, MFU and peak memory for one optimizer step
+(forward, backward, AdamW) on one GPU, bf16 autocast, torch.compile.
+
+    python scripts/bench_train.py                                   # the issue's table on one GPU
+    python scripts/bench_train.py --models baseline_paper_S castle_paper_S --steps 20
+    python scripts/bench_train.py --device cpu --models tiny --steps 2 --batch 2 --seq-len 64 --no-compile
+
+Each model is an experiment config (configs/experiment/*.yaml) or `tiny`; the micro-batch is
+`--batch` sequences of the experiment's context (or --seq-len). Random tokens: throughput does not
+depend on the data. MFU uses the model's own FLOP count (6N + each attention's FLOPs).
+"""
+import argparse
+import os
+import sys
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from model.gpt import GPT, GPTConfig  # noqa: E402
+
+DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
+                  "castle_paper_M", "castle_swl_paper_M", "transformer_llama_125M", "fox_llama_125M",
+                  "transformer_pro_125M", "fox_pro_125M"]
+
+
+def model_config(name, seq_len):
+    """(GPTConfig, context length) of an experiment config, or of the default tiny model."""
+    overrides = [] if name == "tiny" else [f"experiment={name}"]
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    if seq_len:
+        cfg.train.seq_len = seq_len
+    config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    return config, cfg.train.seq_len
+
+
+def bench(name, args, device):
+    config, T = model_config(name, args.seq_len)
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
+    run = torch.compile(model) if args.compile else model
+    idx = torch.randint(0, config.vocab_size, (args.batch, T + 1), device=device)
+    x, y = idx[:, :-1], idx[:, 1:]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+    def step():
+        with autocast:
+            _, loss = run(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):            # compilation and autotuning happen here
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        loss = step()
+    sync()
+    dt = (time.perf_counter() - t0) / args.steps
+    tokens = args.batch * T
+    row = {"model": name, "params_M": model.num_params() / 1e6, "seq_len": T, "tok_s": tokens / dt,
+           "loss": loss.item()}
+    if device.type == "cuda":
+        row["mfu"] = model.flops_per_token(T) * tokens / dt / args.peak_flops
+        row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    del model, opt, run
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
+    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=None, help="override the experiment's context")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--peak-flops", type=float, default=989e12)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    rows = [bench(name, args, device) for name in args.models]
+    print(f"\ncommand: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
+    print("| model | params | context | tokens/s | MFU | peak GiB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
+        mem = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
+        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} | {r['tok_s']:,.0f} | {mfu} | {mem} |")
+
+
+if __name__ == "__main__":
+    main()
