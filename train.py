@@ -19,6 +19,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
@@ -91,6 +96,32 @@ def warmup_steps(optim_cfg, tokens_per_step):
     return optim_cfg.warmup_steps
 
 
+def parallel_mode(cfg):
+    if cfg.train.parallel not in ("ddp", "fsdp"):
+        raise ValueError(f"train.parallel={cfg.train.parallel!r}; choose ddp or fsdp")
+    return cfg.train.parallel
+
+
+def shard_model(raw_model):
+    """FSDP2: every block is its own unit (gathered just in time), the rest in the root unit."""
+    for block in raw_model.blocks:
+        fully_shard(block)
+    fully_shard(raw_model)
+
+
+@contextlib.contextmanager
+def gradient_sync(model, raw_model, world, fsdp, sync):
+    """Skip the gradient reduction on all but the last micro-step of an accumulation."""
+    if world == 1:
+        yield
+    elif fsdp:
+        raw_model.set_requires_gradient_sync(sync)
+        yield
+    else:
+        with contextlib.nullcontext() if sync else model.no_sync():
+            yield
+
+
 def make_optimizer(model, optim_cfg, device):
     return torch.optim.AdamW(model.param_groups(optim_cfg.weight_decay), lr=optim_cfg.lr,
                              betas=tuple(optim_cfg.betas), eps=optim_cfg.eps,
@@ -114,10 +145,28 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(out_dir, step, raw_model, optimizer, loader, cfg, wandb_id, keep_last):
+FULL_STATE = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_training_state(raw_model, optimizer):
+    """Unsharded model and optimizer state dicts (FSDP gathers them: call on every rank).
+
+    The optimizer state is keyed by parameter names, so DDP, FSDP and single-process runs
+    resume from each other's checkpoints."""
+    return (get_model_state_dict(raw_model, options=FULL_STATE),
+            get_optimizer_state_dict(raw_model, optimizer, options=FULL_STATE))
+
+
+def load_training_state(raw_model, optimizer, ckpt):
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(raw_model, ckpt["model"], options=options)
+    set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
+
+
+def save_checkpoint(out_dir, step, model_state, optim_state, raw_model, loader, cfg, wandb_id, keep_last):
     """Write ckpt_<step>.pt atomically (temp name + rename) and keep only the newest `keep_last`."""
-    ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "model": raw_model.state_dict(),
-            "model_config": config_dict(raw_model.config), "optimizer": optimizer.state_dict(),
+    ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "model": model_state,
+            "model_config": config_dict(raw_model.config), "optimizer": optim_state,
             "loader": loader.state_dict(), "rng": rng_state(),
             "config": OmegaConf.to_container(cfg, resolve=True), "wandb_id": wandb_id}
     path = os.path.join(out_dir, f"ckpt_{step}.pt")
@@ -215,6 +264,9 @@ def train(cfg):
 
     model_config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
     raw_model = GPT(model_config).to(device)
+    fsdp = dist_info.world > 1 and parallel_mode(cfg) == "fsdp"
+    if fsdp:       # in place, before the optimizer sees the parameters
+        shard_model(raw_model)
     optimizer = make_optimizer(raw_model, cfg.optim, device)
     accum = grad_accum_steps(cfg, dist_info.world)
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
@@ -224,8 +276,7 @@ def train(cfg):
     ckpt = resume_checkpoint(cfg)
     if ckpt is not None:
         check_same_model(ckpt, model_config)
-        raw_model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        load_training_state(raw_model, optimizer, ckpt)
         loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
         step, wandb_id = ckpt["step"], ckpt["wandb_id"]
@@ -240,7 +291,7 @@ def train(cfg):
 
     use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
     model = torch.compile(raw_model) if use_compile else raw_model
-    if dist_info.world > 1:
+    if dist_info.world > 1 and not fsdp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = autocast_context(device, cfg.train.dtype)
     tokens_per_step = cfg.train.global_batch_tokens
@@ -250,8 +301,9 @@ def train(cfg):
 
     def checkpoint(at_step):
         nonlocal last_ckpt
+        model_state, optim_state = full_training_state(raw_model, optimizer)
         if dist_info.master:
-            last_ckpt = save_checkpoint(out_dir, at_step, raw_model, optimizer, loader, cfg,
+            last_ckpt = save_checkpoint(out_dir, at_step, model_state, optim_state, raw_model, loader, cfg,
                                         metrics.wandb_id, cfg.train.keep_last)
         if dist_info.world > 1:
             dist.barrier()
@@ -268,12 +320,14 @@ def train(cfg):
             loss_sum = 0.0
             for micro in range(accum):
                 x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
-                sync = dist_info.world == 1 or micro == accum - 1
-                with (contextlib.nullcontext() if sync else model.no_sync()), autocast:
+                sync = micro == accum - 1     # reduce gradients across ranks once per step
+                with gradient_sync(model, raw_model, dist_info.world, fsdp, sync), autocast:
                     _, loss = model(x, y)
                 (loss / accum).backward()
                 loss_sum += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
             loss_value = dist_info.mean(loss_sum.item() / accum)
             if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
                 raise FloatingPointError(
@@ -320,9 +374,9 @@ def train(cfg):
     bar.close()
     if dist_info.master:
         print(f"done: {step} steps, checkpoint {last_ckpt}")
-        if cfg.train.sample_tokens:
-            raw_model.eval()
-            print_sample(raw_model, cfg, device)
+        if cfg.train.sample_tokens:   # FSDP holds shards only: sample from the saved checkpoint
+            sampler = GPT.from_checkpoint(last_ckpt, device) if fsdp else raw_model
+            print_sample(sampler.eval(), cfg, device)
         metrics.close()
     dist_info.close()
 

@@ -3,8 +3,10 @@ accumulation, NaN stop, clear config errors; then sample.py and eval.py on the c
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -76,6 +78,26 @@ def test_torchrun_two_ranks_matches_gradient_accumulation(tmp_path):
         assert abs(one[step] - two[step]) < 1e-4 * abs(one[step]), (one, two)
 
 
+@pytest.mark.distributed
+def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
+    """FSDP2 on 2 ranks: same losses as one process; its checkpoint resumes and samples."""
+    common = TINY + ["train.max_steps=4", "train.global_batch_tokens=256", "train.ckpt_interval=2",
+                     "train.keep_last=5"]
+    run("train.py", common + [f"train.out_dir={tmp_path / 'one'}"])
+    run("train.py", common + [f"train.out_dir={tmp_path / 'fsdp'}", "train.parallel=fsdp",
+                              "train.sample_tokens=4"], torchrun=2)
+    one, fsdp = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    for step in one:
+        assert abs(one[step] - fsdp[step]) < 1e-4 * abs(one[step]), (one, fsdp)
+    os.remove(tmp_path / "fsdp" / "ckpt_4.pt")       # resume the FSDP run from step 2 in one process
+    os.remove(tmp_path / "fsdp" / "metrics.jsonl")
+    run("train.py", common + [f"train.out_dir={tmp_path / 'fsdp'}"])
+    resumed = train_losses(tmp_path / "fsdp")
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert abs(resumed[step] - one[step]) < 1e-4 * abs(one[step]), (resumed, one)
+
+
 def test_sample_script_streams_text(trained_run):
     proc = run("sample.py", [f"ckpt={trained_run}", "prompt=The river", "max_new_tokens=12",
                              "temperature=0"])
@@ -121,3 +143,26 @@ def test_training_benchmark_script_runs():
                                           "--warmup", "1", "--batch", "1", "--seq-len", "16", "--no-compile"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny") or line.startswith("| castle")]
     assert len(rows) == 2 and "160.7M" in rows[1]
+
+
+def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    args = [a for a in TINY if not a.startswith("WANDB_MODE")]
+    proc = subprocess.Popen([sys.executable, "train.py"] + args + [
+        f"train.out_dir={tmp_path}", "train.max_steps=100000", "train.global_batch_tokens=128",
+        "train.ckpt_interval=100000"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2) and time.time() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted: saved" in out
+    saved = [f for f in os.listdir(tmp_path) if f.startswith("ckpt_")]
+    assert len(saved) == 1
+    step = int(saved[0][5:-3])
+    assert step >= 2
+    resumed = run("train.py", TINY + [f"train.out_dir={tmp_path}", f"train.max_steps={step + 1}",
+                                      "train.global_batch_tokens=128"])
+    assert f"resuming at step {step}" in resumed.stdout
