@@ -31,6 +31,7 @@ from data.loader import build_loader
 from data.tokenizer import tokenizer_for
 from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
                        find_checkpoint, load_checkpoint)
+from scripts.plot_runs import plot_runs
 
 
 # ----------------------------------------------------------------------------- setup
@@ -311,7 +312,17 @@ def train(cfg):
     bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not dist_info.master, desc="train",
                dynamic_ncols=True)
     model.train()
-    t_last, losses = time.perf_counter(), []
+    t_start = t_last = time.perf_counter()
+    losses, summary = [], {}
+
+    def untimed(fn):
+        """Run fn without counting its time in tokens/s (evaluation, checkpoints)."""
+        nonlocal t_last
+        start = time.perf_counter()
+        result = fn()
+        t_last += time.perf_counter() - start
+        return result
+
     try:
         while step < cfg.train.max_steps:
             lr = lr_at(step, cfg.train.max_steps, warmup, cfg.optim.lr, cfg.optim.min_lr_ratio)
@@ -351,19 +362,19 @@ def train(cfg):
                 if device.type == "cuda":
                     record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
                 losses = []
+                summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
                 if dist_info.master:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
                                     **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
                     metrics.log(record)
             if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
-                val = validation_loss(model, cfg, dist_info, autocast)
+                val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))
+                summary["val_loss"] = val
                 if dist_info.master:
                     bar.write(f"step {step}: val loss {val:.4f}")
                     metrics.log({"step": step, "val_loss": val})
-                t_last = time.perf_counter()
             if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
-                checkpoint(step)
-                t_last = time.perf_counter()
+                untimed(lambda: checkpoint(step))
     except KeyboardInterrupt:
         bar.close()
         checkpoint(step)
@@ -373,12 +384,25 @@ def train(cfg):
         raise SystemExit(130)
     bar.close()
     if dist_info.master:
-        print(f"done: {step} steps, checkpoint {last_ckpt}")
+        print_summary(step, tokens_per_step, time.perf_counter() - t_start, summary, last_ckpt, out_dir)
         if cfg.train.sample_tokens:   # FSDP holds shards only: sample from the saved checkpoint
             sampler = GPT.from_checkpoint(last_ckpt, device) if fsdp else raw_model
             print_sample(sampler.eval(), cfg, device)
         metrics.close()
     dist_info.close()
+
+
+def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
+    """Final lines of a run, and loss.png in the run dir."""
+    plot = plot_runs([out_dir], os.path.join(out_dir, "loss.png"))
+    parts = [f"{step} steps", f"{step * tokens_per_step:,} tokens", f"{seconds / 60:.1f} min"]
+    if "loss" in summary:
+        parts += [f"train loss {summary['loss']:.4f}", f"{summary['tok_per_s']:,.0f} tok/s"]
+    if summary.get("mfu") is not None:
+        parts.append(f"MFU {summary['mfu']:.1%}")
+    if "val_loss" in summary:
+        parts.append(f"val loss {summary['val_loss']:.4f}")
+    print("done: " + " | ".join(parts) + f"\ncheckpoint: {last_ckpt}\nloss curve: {plot}")
 
 
 def find_last(out_dir):

@@ -45,7 +45,7 @@ def trained_run(tmp_path_factory):
 
 
 def test_training_writes_checkpoints_and_metrics(trained_run):
-    assert sorted(os.listdir(trained_run)) == ["ckpt_3.pt", "ckpt_6.pt", "config.yaml", "metrics.jsonl"]
+    assert sorted(os.listdir(trained_run)) == ["ckpt_3.pt", "ckpt_6.pt", "config.yaml", "loss.png", "metrics.jsonl"]
     losses = train_losses(trained_run)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     with open(os.path.join(trained_run, "metrics.jsonl")) as f:
