@@ -10,8 +10,8 @@ s = scale = d ** -0.5 (eqs 11/12, spec §1.5):
 Public API (tensors are (B, H, L, D); fp32/bf16 in, same dtype out, fp32 math inside):
 
     castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
-    castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None) -> (out, CastleCache)
-    castle_decode(cache, qc, kc, vc, qu, ku, vu) -> (out, CastleCache)      one new position
+    castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None) -> (out, CastleCache)
+    castle_decode(cache, qc, kc, vc, qu, ku, vu) -> (out, CastleCache)      one new position, in place
 
 impl:
     "torch"     the parallel form above, L x L matrices and an L x L x L product (O(L^3)); the
@@ -599,35 +599,110 @@ def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
     return _attn_triton(qc, kc, vc, qu, ku, vu, window, scale)
 
 
-@dataclass
-class CastleCache:
-    """UQ-KV cache of one CASTLE layer (spec §4.2), tensors (B, H, T, D) after T positions.
+def _grown(buf, filled, rows):
+    """A fresh (..., rows, D) buffer holding the first `filled` rows of buf; the rest is uninitialised."""
+    new = buf.new_empty(*buf.shape[:-2], rows, buf.shape[-1])
+    new[..., :filled, :] = buf[..., :filled, :]
+    return new
 
-    u:  lookahead keys U^T, fp32 (fp64 for fp64 inputs); row T-1 is always zero.
-    qu: lookahead queries Q^U; for SWL only the last min(T, W) rows, the only ones read again.
-    kc, vc: causal keys and values.
+
+def _doubled(rows):
+    return max(2 * rows, 16)
+
+
+@dataclass(eq=False)
+class CastleCache:
+    """UQ-KV cache of one CASTLE layer (spec §4.2) after `length` positions.
+
+    The tensors live in preallocated (B, H, rows, D) buffers: castle_decode writes the new position in
+    place and doubles a buffer only when it is full (amortised O(1) copies per step). Read the filled
+    part through the views u, qu, kc, vc; a view taken before a step that grows a buffer goes stale.
+
+    u_buf:  lookahead keys U, fp32 (fp64 for fp64 inputs); row j is u_j; the last row, u_{length-1}, is
+            zero (spec §4.1).
+    kc_buf, vc_buf: causal keys and values, input dtype; row j is position j.
+    qu_buf: lookahead queries Q^U, input dtype, holding only the rows read again, i.e. the owners the
+            next token reaches (spec §4.2): every position for CASTLE, the last min(length, W) for SWL,
+            at rows [qu_end - n, qu_end). When full, it moves the rows still needed to the front if
+            they fill at most half of it, else it doubles: SWL's stays under max(4W, 16) rows,
+            CASTLE's grows like the others.
     window, scale: as given to castle_prefill; decode reuses them.
     """
-    u: torch.Tensor
-    qu: torch.Tensor
-    kc: torch.Tensor
-    vc: torch.Tensor
+    u_buf: torch.Tensor
+    qu_buf: torch.Tensor
+    kc_buf: torch.Tensor
+    vc_buf: torch.Tensor
+    length: int
+    qu_end: int
     window: int | None
     scale: float
 
     @property
-    def length(self):
-        return self.kc.shape[-2]
+    def capacity(self):
+        return self.kc_buf.shape[-2]
+
+    def owners(self, t):
+        """How many positions before position t have a lookahead key that token t adds to (eq 13)."""
+        return t if self.window is None else min(t, self.window)
+
+    @property
+    def u(self):
+        return self.u_buf[..., : self.length, :]
+
+    @property
+    def kc(self):
+        return self.kc_buf[..., : self.length, :]
+
+    @property
+    def vc(self):
+        return self.vc_buf[..., : self.length, :]
+
+    @property
+    def qu(self):
+        """Q^U of the owners the next token reaches (positions length - n .. length - 1)."""
+        return self.qu_buf[..., self.qu_end - self.owners(self.length): self.qu_end, :]
+
+    def append(self, qu, kc, vc):
+        """Store position `length` in place: u = 0 (spec §4.1), and q^U, k^C, v^C given as (B, H, 1, D).
+        Call after adding the position to the lookahead keys of its owners (that reads self.qu)."""
+        t = self.length
+        if t == self.capacity:
+            rows = _doubled(t)
+            self.u_buf, self.kc_buf, self.vc_buf = (_grown(b, t, rows) for b in (self.u_buf, self.kc_buf, self.vc_buf))
+        self.u_buf[..., t, :] = 0
+        self.kc_buf[..., t: t + 1, :] = kc
+        self.vc_buf[..., t: t + 1, :] = vc
+        keep = self.owners(t + 1) - 1                          # older Q^U rows still read after this step
+        if keep >= 0:                                          # (SWL with W = 0 keeps no Q^U at all)
+            end = self.qu_end
+            if end == self.qu_buf.shape[-2]:
+                if 0 < end and 2 * keep <= end:                # slide: the kept rows fit in the first half
+                    self.qu_buf[..., :keep, :] = self.qu_buf[..., end - keep: end, :]
+                    self.qu_end = end = keep
+                else:
+                    self.qu_buf = _grown(self.qu_buf, end, _doubled(end))
+            self.qu_buf[..., end: end + 1, :] = qu
+            self.qu_end = end + 1
+        self.length = t + 1
 
 
-def _keep_window(qu, window):
-    return qu if window is None else qu[..., max(0, qu.shape[-2] - window):, :]
+def castle_cache_from(u, qu, kc, vc, window, scale, max_len):
+    """The UQ-KV cache holding a prompt's U, Q^U, K^C, V^C (B, H, L, D), with room for
+    max(L, max_len) positions before a buffer grows (castle_prefill builds its cache with this)."""
+    L = kc.shape[-2]
+    rows = max(L, max_len or 0)
+    n = L if window is None else min(L, window)
+    qu_rows = rows if window is None else min(rows, 2 * window)
+    return CastleCache(u_buf=_grown(u, L, rows), qu_buf=_grown(qu[..., L - n:, :], n, qu_rows),
+                       kc_buf=_grown(kc, L, rows), vc_buf=_grown(vc, L, rows),
+                       length=L, qu_end=n, window=window, scale=scale)
 
 
-def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None):
+def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None):
     """Attention over a prompt of L positions plus the UQ-KV cache after it (spec §4.3). The block
     forward (Triton on CUDA, blockwise PyTorch otherwise) also folds the last block into its U state,
-    which then is U^L: Algorithm 4 for free."""
+    which then is U^L: Algorithm 4 for free. max_len: positions (prompt included) to preallocate the
+    cache for; decoding past it still works (the buffers double)."""
     _check(qc, kc, vc, qu, ku, vu, window)
     scale = qc.shape[-1] ** -0.5 if scale is None else scale
     B, H, L, D = qc.shape
@@ -643,24 +718,33 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None):
         blocks = [_to_blocks(t.to(cdt), bs) for t in (qc, kc, vc, qu, ku, vu)]
         out, _, u = _blockwise_forward(*blocks, window, scale, bs, keep_last=True)
         out, u = out.flatten(2, 3)[:, :, :L].to(qc.dtype), u.flatten(2, 3)[:, :, :L]
-    return out, CastleCache(u.to(cdt), _keep_window(qu, window), kc, vc, window, scale)
+    return out, castle_cache_from(u.to(cdt), qu, kc, vc, window, scale, max_len)
 
 
 def castle_decode(cache, qc, kc, vc, qu, ku, vu):
-    """One new position (B, H, 1, D): update U by eq (13), then score against [Kc; U]. O(T d)."""
+    """One new position (B, H, 1, D) -> (out, cache), spec §4.1, O(T d) for T cached positions.
+
+    The cache is updated in place (and returned): eq (13) adds the token to the lookahead keys of the
+    owners it reaches (every cached row for CASTLE, the last W for SWL; older rows are not touched),
+    then the position's own rows are written. The scores of eqs (5)-(8) take the causal part from SDPA
+    with the per-key bias -SiLU(s q^C u_j^T) (fp32 U and bias; for bf16/fp16 inputs the bias is
+    rounded to the input dtype, and q^U k^U is an input-dtype matmul, as the kernels' bf16 operands)."""
     assert qc.shape[-2] == 1, "castle_decode takes one position at a time"
-    scale, window, cdt = cache.scale, cache.window, cache.u.dtype
-    # Every cached Q^U row is an owner the new token reaches (for SWL the cache keeps exactly those).
-    t_old = cache.length
-    n_own = cache.qu.shape[-2]
-    w = torch.sigmoid(scale * cache.qu.to(cdt) @ ku.to(cdt).mT)                # (B, H, n_own, 1)
-    u = torch.cat([cache.u[..., : t_old - n_own, :],
-                   cache.u[..., t_old - n_own:, :] + w * vu.to(cdt),
-                   cache.u.new_zeros(*cache.u.shape[:2], 1, cache.u.shape[-1])], dim=-2)  # u_T = 0
-    kc_all = torch.cat([cache.kc, kc], dim=-2)
-    vc_all = torch.cat([cache.vc, vc], dim=-2)
-    q = qc.to(cdt)
-    scores = scale * q @ kc_all.to(cdt).mT - F.silu(scale * q @ u.mT)         # eqs (5)-(7)
-    out = (torch.softmax(scores, dim=-1) @ vc_all.to(cdt)).to(qc.dtype)       # eq (8)
-    new = CastleCache(u, _keep_window(torch.cat([cache.qu, qu], dim=-2), window), kc_all, vc_all, window, scale)
-    return out, new
+    t, scale, cdt = cache.length, cache.scale, cache.u_buf.dtype
+    owners = cache.qu                                                         # positions t - n .. t - 1
+    n = owners.shape[-2]
+    if n:
+        w = torch.sigmoid(scale * (owners @ ku.mT).to(cdt))                   # (B, H, n, 1)
+        cache.u_buf[..., t - n: t, :].addcmul_(w, vu.to(cdt))                 # eq (13)
+    cache.append(qu, kc, vc)
+    s_u = scale * (qc.to(cdt) @ cache.u.mT)                                   # eq (6), (B, H, 1, t + 1)
+    out = F.scaled_dot_product_attention(qc, cache.kc, cache.vc, attn_mask=_bias(s_u, qc.dtype), scale=scale)
+    return out, cache                                                         # eqs (5), (7), (8)
+
+
+def _bias(s_u, dtype):
+    """-SiLU(s^U) as an SDPA attn_mask whose rows start 16-element aligned, as the memory-efficient CUDA
+    kernel wants them (else SDPA copies the mask into a padded buffer itself, with a warning)."""
+    n = s_u.shape[-1]
+    bias = s_u.new_empty(*s_u.shape[:-1], -(-n // 16) * 16, dtype=dtype)[..., :n]
+    return bias.copy_(F.silu(s_u)).neg_()

@@ -401,10 +401,12 @@ register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=Tr
 
 
 class CastleCache:
-    """Holds the UQ-KV cache of kernels.castle (None until the prompt is prefilled)."""
+    """Holds the UQ-KV cache of kernels.castle (None until the prompt is prefilled), sized for
+    max_len positions so that decoding never reallocates it."""
 
-    def __init__(self):
+    def __init__(self, max_len):
         self.state = None
+        self.max_len = max_len
 
 
 class ShardedCastleCache(KVCache):
@@ -443,7 +445,8 @@ class CastleAttention(nn.Module):
             y = torch.cat([self.decode_sharded(cache, *(z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)))
                            for t in range(x.size(1))], dim=2)
         elif cache.state is None:
-            y, cache.state = castle_prefill(qc, kc, vc, qu, ku, vu, window=self.window)
+            y, cache.state = castle_prefill(qc, kc, vc, qu, ku, vu, window=self.window,
+                                            max_len=cache.max_len)
         else:                                # one position at a time through the UQ-KV cache
             steps = []
             for t in range(x.size(1)):
@@ -469,7 +472,7 @@ class CastleAttention(nn.Module):
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         if group is not None:
             return ShardedCastleCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
-        return CastleCache()
+        return CastleCache(max_len)
 
     def flops_per_token(self, seq_len):
         # castle.md §3.7: ~4x FlashAttention per block pair; SWL tiles outside the window ~1.5x

@@ -10,21 +10,30 @@ and SDPA causal attention at the same shape. Times are medians of CUDA-event tim
 2 L^2 d); the backward, counted from Algorithm 3 (spec §3.5: 24 block matmuls per pair), 24 L^2 d.
 For SWL the same dense count is used (an "effective" rate). --sweep times the Triton kernels over tile
 configs instead.
+
+--decode times one decode step per token instead (runs on CPU too; see decode_bench):
+
+    python scripts/bench_castle.py --decode --contexts 4096,32768 --windows none,512 --B 1 --H 16 --D 64
 """
 import argparse
 import concurrent.futures
 import multiprocessing
+import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
-import triton
-from triton.testing import do_bench
+
+try:
+    import triton
+    from triton.testing import do_bench
+except ImportError:  # --decode runs without triton (CPU)
+    triton = None
 
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 from kernels import castle  # noqa: E402
-from kernels.castle import TritonConfig, castle_attn  # noqa: E402
+from kernels.castle import TritonConfig, castle_attn, castle_decode, castle_prefill  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -144,6 +153,96 @@ def sweep(args, xs, scale):
     table([*TritonConfig.__dataclass_fields__, "fwd ms", "fwd+bwd ms", "rel err"], rows)
 
 
+# ----------------------------------------------------------------------------------------------------
+# --decode: per-token latency of one decode step at a given context length
+
+
+def castle_cache(B, H, T, D, window, dtype, device, room):
+    """A UQ-KV cache holding T positions of random values (the timing does not depend on them), with
+    room for `room` more before a buffer grows (so the timed steps never reallocate)."""
+    empty = [torch.empty(B, H, 0, D, dtype=dtype, device=device) for _ in range(6)]
+    _, cache = castle_prefill(*empty, window=window, max_len=T + room)
+    for buf in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf):
+        buf.normal_()
+    cache.length, cache.qu_end = T, cache.owners(T)
+    cache.u_buf[..., T - 1, :] = 0                                  # u_{T-1} = 0 (spec §4.1)
+    return cache
+
+
+def kv_cache_step(k_buf, v_buf, t, scale):
+    """The standard decode step the CASTLE rows are compared with: write k, v of position t into a
+    preallocated KV cache, then SDPA of the one query over the t + 1 cached positions."""
+    def step(qc, kc, vc, *_):
+        k_buf[:, :, t[0]: t[0] + 1] = kc
+        v_buf[:, :, t[0]: t[0] + 1] = vc
+        t[0] += 1
+        return F.scaled_dot_product_attention(qc, k_buf[:, :, : t[0]], v_buf[:, :, : t[0]], scale=scale)
+    return step
+
+
+def per_token_ms(step, xs, device):
+    """Median ms of step(*xs[i]) over the timed steps (xs[0] is warm-up): CUDA events on GPU,
+    perf_counter on CPU. Each step appends one position, so the context grows by len(xs) in all."""
+    times = []
+    for i, x in enumerate(xs):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = step(*x)
+            end.record()
+            times.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            out = step(*x)
+            times.append(time.perf_counter() - t0)
+    assert torch.isfinite(out).all()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in times]
+    else:
+        times = [t * 1e3 for t in times]
+    return statistics.median(times[len(times) // 10 + 1:])          # the first ~10% are warm-up
+
+
+def decode_bench(args):
+    """Per-token latency of castle_decode (CASTLE and SWL) against a standard KV-cache decode step at
+    each context length T: the cache holds T positions, then steps time appending one more each."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dname = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    dtype = DTYPES[dname]
+    B, H, D, n = args.B, args.H, args.D, args.steps
+    scale = D ** -0.5
+    contexts = [int(c) for c in args.contexts.split(",")]
+    windows = [None if w.lower() == "none" else int(w) for w in args.windows.split(",")]
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"$ python {' '.join(sys.argv)}")
+    print(f"device: {name}, torch {torch.__version__}; B={B} H={H} D={D} dtype={dname}, "
+          f"median of {n - n // 10 - 1} steps per row")
+    torch.manual_seed(0)
+    rows = []
+    for T in contexts:
+        xs = [[torch.randn(B, H, 1, D, dtype=dtype, device=device) for _ in range(6)] for _ in range(n)]
+        k_buf, v_buf = (torch.randn(B, H, T + n, D, dtype=dtype, device=device) for _ in range(2))
+        kv_ms = per_token_ms(kv_cache_step(k_buf, v_buf, [T], scale), xs, device)
+        kv_mib = 2 * k_buf.numel() * k_buf.element_size() / 2**20                  # T + steps positions
+        rows.append((T, "KV cache + SDPA (standard)", "", f"{kv_ms:.4f}", "1.00", f"{kv_mib:.1f}"))
+        print(rows[-1], flush=True)
+        del k_buf, v_buf
+        for window in windows:
+            cache = castle_cache(B, H, T, D, window, dtype, device, n)
+            ms = per_token_ms(lambda *x, c=cache: castle_decode(c, *x)[0], xs, device)
+            assert cache.length == T + n and cache.capacity == T + n          # no step reallocated
+            mib = sum(v.numel() * v.element_size() for v in (cache.u, cache.qu, cache.kc, cache.vc)) / 2**20
+            label = "CASTLE decode" if window is None else "CASTLE-SWL decode"
+            rows.append((T, label, "" if window is None else window, f"{ms:.4f}", f"{ms / kv_ms:.2f}",
+                         f"{mib:.1f}"))
+            print(rows[-1], flush=True)
+            del cache
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    table(["context T", "decode step", "W", "ms / token (median)", "x KV", "cache MiB / layer"], rows)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--L", type=int, default=2048)
@@ -151,19 +250,26 @@ def main():
     p.add_argument("--B", type=int, default=8)
     p.add_argument("--H", type=int, default=16)
     p.add_argument("--window", type=lambda s: None if s.lower() == "none" else int(s), default=None)
-    p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 (--decode on CPU: fp32)")
     p.add_argument("--skip", default="", help="comma list of rows to skip: torch,blockwise,peer,sdpa")
     p.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
     p.add_argument("--jobs", type=int, default=8, help="parallel compiles for --sweep")
+    p.add_argument("--decode", action="store_true", help="time one decode step per token instead")
+    p.add_argument("--contexts", default="4096,32768", help="--decode: comma list of context lengths")
+    p.add_argument("--windows", default="none,512", help="--decode: comma list of W (none = CASTLE)")
+    p.add_argument("--steps", type=int, default=100, help="--decode: steps per row (the first 10%% warm up)")
+    p.add_argument("--device", default=None, help="--decode: cuda or cpu (default: cuda if available)")
     args = p.parse_args()
-    B, H, L, D, dtype = args.B, args.H, args.L, args.D, DTYPES[args.dtype]
+    if args.decode:
+        return decode_bench(args)
+    B, H, L, D, dtype = args.B, args.H, args.L, args.D, DTYPES[args.dtype or "bf16"]
     scale = D ** -0.5
     torch.manual_seed(0)
     xs = [torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(6)]
 
     print(f"$ python {' '.join(sys.argv)}")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
-    print(f"shape B={B} H={H} L={L} D={D} window={args.window} dtype={args.dtype}")
+    print(f"shape B={B} H={H} L={L} D={D} window={args.window} dtype={args.dtype or 'bf16'}")
     if args.sweep:
         return sweep(args, xs, scale)
 

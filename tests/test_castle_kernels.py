@@ -281,28 +281,84 @@ def test_triton_saved_state(window):
 # UQ-KV cache: prefill + decode
 
 
-def _decode_all(xs, prompt, window):
-    out, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window)
+def _decode_all(xs, prompt, window, max_len=None):
+    """Prefill `prompt` positions, then decode the rest one at a time; checks the cache at every step."""
+    out, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, max_len=max_len)
     outs = [out]
+    u_dtype = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
     for t in range(prompt, xs[0].shape[-2]):
-        o, cache = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        o, nxt = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        assert nxt is cache                                                # updated in place
         outs.append(o)
-        assert isinstance(cache, CastleCache) and cache.length == t + 1
-        assert cache.u.shape == cache.kc.shape == cache.vc.shape
+        assert isinstance(cache, CastleCache) and cache.length == t + 1 <= cache.capacity
+        assert cache.u.shape == cache.kc.shape == cache.vc.shape and cache.u.dtype == u_dtype
         assert cache.u[..., -1, :].abs().max() == 0                       # u^t_t = 0
         assert cache.qu.shape[-2] == (t + 1 if window is None else min(t + 1, window))
+        assert torch.equal(cache.qu[..., -1:, :], xs[3][..., t:t + 1, :]) or window == 0
+        if window is not None:                                             # SWL keeps O(W) rows of Q^U
+            assert cache.qu_buf.shape[-2] <= max(16, 4 * window)
     return torch.cat(outs, dim=-2), cache
 
 
 @pytest.mark.parametrize("window", [None, 0, 1, 3, 20])
-@pytest.mark.parametrize("prompt", [0, 1, 3, 5])
+@pytest.mark.parametrize("prompt", [0, 1, 3, 5, 17])
 def test_prefill_decode_matches_parallel(window, prompt):
-    """Invariants 7 and 8: every decoded position equals the parallel output; U equals eq (3) at t."""
-    L = 11
+    """Invariants 7 and 8: every decoded position equals the parallel output; U equals eq (3) at t.
+    Without max_len the buffers start at the prompt length and double (16, 32, 64) on the way to 40."""
+    L = 40
     xs = inputs(2, 2, L, 4)
     got, cache = _decode_all(xs, prompt, window)
     assert rel(got, castle_attn(*xs, window=window, impl="torch")) < 1e-13
     assert rel(cache.u, lookahead_keys(*xs[3:], L, window)) < 1e-13
+
+
+@pytest.mark.parametrize("window", [None, 2, 7])
+@pytest.mark.parametrize("max_len", [5, 9, 23, 100])
+def test_decode_capacity_growth(window, max_len):
+    """max_len below, at the middle of and above the final length: buffers grow by doubling only when a
+    step finds them full, the data survive the copy, and the outputs stay exact."""
+    L, prompt = 23, 5
+    xs = inputs(1, 2, L, 4)
+    _, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, max_len=max_len)
+    assert cache.capacity == max_len
+    for t in range(prompt, L):
+        before = cache.capacity
+        castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        assert cache.capacity == (before if t < before else max(2 * before, 16))
+    assert cache.capacity == {5: 32, 9: 36, 23: 23, 100: 100}[max_len]
+    got, cache = _decode_all(xs, prompt, window, max_len)
+    assert rel(got[..., prompt:, :], castle_attn(*xs, window=window, impl="torch")[..., prompt:, :]) < 1e-13
+    assert rel(cache.u, lookahead_keys(*xs[3:], L, window)) < 1e-13
+
+
+@pytest.mark.parametrize("window", [None, 0, 3])
+def test_decode_in_place_without_realloc(window):
+    """With enough capacity a step allocates no cache buffer: every buffer keeps its storage (SWL's
+    Q^U buffer slides within its 2W rows), and the rows of earlier positions are left as they were."""
+    L, prompt = 30, 6
+    xs = inputs(1, 2, L, 4, torch.float32)
+    _, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, max_len=L)
+    bufs = ("u_buf", "qu_buf", "kc_buf", "vc_buf")
+    ptrs = {name: getattr(cache, name).data_ptr() for name in bufs}
+    for t in range(prompt, L):
+        kc_before = cache.kc.clone()
+        castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        assert {name: getattr(cache, name).data_ptr() for name in bufs} == ptrs
+        assert torch.equal(cache.kc[..., :t, :], kc_before)
+    assert cache.capacity == L
+    if window:
+        assert cache.qu_buf.shape[-2] == 2 * window
+
+
+def test_decode_swl_freezes_old_rows():
+    """Invariant 7 (SWL): a decode step leaves U rows older than t - W untouched."""
+    W = 3
+    xs = inputs(1, 2, 10, 4)
+    _, cache = castle_prefill(*[x[..., :8, :] for x in xs], window=W)
+    before = cache.u.clone()
+    castle_decode(cache, *[x[..., 8:9, :] for x in xs])
+    assert torch.equal(cache.u[..., : 8 - W, :], before[..., : 8 - W, :])
+    assert not torch.equal(cache.u[..., 8 - W: 8, :], before[..., 8 - W:, :])
 
 
 @pytest.mark.parametrize("window", [None, 70])
@@ -314,22 +370,14 @@ def test_prefill_several_blocks(window):
     assert rel(cache.u, lookahead_keys(*xs[3:], 140, window)) < 1e-13
 
 
-def test_decode_swl_freezes_old_rows():
-    """Invariant 7 (SWL): a decode step leaves U rows older than t - W untouched."""
-    W = 3
-    xs = inputs(1, 2, 10, 4)
-    _, cache = castle_prefill(*[x[..., :8, :] for x in xs], window=W)
-    _, nxt = castle_decode(cache, *[x[..., 8:9, :] for x in xs])
-    assert torch.equal(nxt.u[..., : 8 - W, :], cache.u[..., : 8 - W, :])
-    assert not torch.equal(nxt.u[..., 8 - W: 8, :], cache.u[..., 8 - W:, :])
-
-
-def test_prefill_decode_bf16():
-    """bf16 in, bf16 out; the cache keeps U in fp32."""
-    xs = inputs(1, 2, 9, 8, torch.bfloat16)
-    got, cache = _decode_all(xs, 4, None)
-    assert got.dtype == torch.bfloat16 and cache.u.dtype == torch.float32
-    assert rel(got, castle_attn(*[x.double() for x in xs], impl="torch")) < 1e-2
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_prefill_decode_low_precision(dtype, tol, window):
+    """bf16 / fp32 in, same dtype out; the cache keeps U in fp32 (K^C, V^C, Q^U in the input dtype)."""
+    xs = inputs(1, 2, 40, 8, dtype)
+    got, cache = _decode_all(xs, 4, window)
+    assert got.dtype == dtype and cache.u.dtype == torch.float32 and cache.kc.dtype == dtype
+    assert rel(got, castle_attn(*[x.double() for x in xs], window=window, impl="torch")) < tol
 
 
 # ----------------------------------------------------------------------------------------------------
