@@ -44,8 +44,9 @@ def run(cfg):
         results[name] = merge(results.get(name, {}), new)
         summary = json.dumps(new)
         print(f"{name}: {summary[:400] + ' ...' if len(summary) > 400 else summary} ({time.perf_counter() - t0:.1f}s)")
-    with open(out, "w") as f:
+    with open(out + ".tmp", "w") as f:        # atomic: earlier results survive a crash here
         json.dump(results, f, indent=2)
+    os.replace(out + ".tmp", out)
     print(f"wrote {out}")
     return results
 
