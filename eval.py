@@ -25,6 +25,8 @@ from model.gpt import find_checkpoint, load_model
 
 
 def run(cfg):
+    if isinstance(cfg.eval.tasks, str):     # eval.tasks=heldout means [heldout]
+        cfg.eval.tasks = [cfg.eval.tasks]
     unknown = set(cfg.eval.tasks) - set(EVALUATIONS)
     if unknown:
         raise ValueError(f"unknown eval.tasks {sorted(unknown)}; available: {sorted(EVALUATIONS)}")

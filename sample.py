@@ -18,10 +18,15 @@ from data.tokenizer import tokenizer_for
 from model.gpt import load_model
 
 
+# Characters at the end of the decoded text that a later token can still change: the rest of a
+# multi-byte UTF-8 character, or of a JSON escape such as \u00e9 (gpt2_json tokenizer).
+UNSETTLED_CHARS = 6
+
+
 def stream_text(model, tok, prompt_ids, cfg, device, group=None, show=True):
     """Print one sample as it is generated (when `show`); return its text."""
     idx = torch.tensor([prompt_ids], device=device)
-    new_ids, printed = [], ""
+    new_ids, printed = [], 0
     eot = tok.eot_token if cfg.stop_at_eot else None
     chunk = cfg.prefill_chunk if group is not None else None
     for token in model.generate_stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, eot,
@@ -30,13 +35,20 @@ def stream_text(model, tok, prompt_ids, cfg, device, group=None, show=True):
             break
         new_ids.append(token.item())
         text = tok.decode(new_ids)
-        if show and not text.endswith("\ufffd"):      # wait for the rest of a multi-byte character
-            sys.stdout.write(text[len(printed):])
-            sys.stdout.flush()
-            printed = text
+        if show and len(text) - UNSETTLED_CHARS > printed:
+            printed = write(text[:len(text) - UNSETTLED_CHARS], printed)
+    text = tok.decode(new_ids)
     if show:
+        write(text, printed)
         print()
-    return tok.decode(new_ids)
+    return text
+
+
+def write(text, printed):
+    """Print text[printed:]; return len(text)."""
+    sys.stdout.write(text[printed:])
+    sys.stdout.flush()
+    return len(text)
 
 
 def init_sharding(cfg):
@@ -64,7 +76,8 @@ def main(cfg):
     torch.manual_seed(cfg.seed)
     model, train_cfg, device = load_model(cfg.ckpt, device, cfg.dtype)
     tok = tokenizer_for(train_cfg["data"])
-    prompt_ids = tok.encode_ordinary(cfg.prompt) if cfg.prompt else [tok.eot_token]
+    # training documents start after an end-of-text token, so prompts do too (bos=false: raw prompt)
+    prompt_ids = [tok.eot_token] * (cfg.bos or not cfg.prompt) + tok.encode_ordinary(cfg.prompt)
     for i in range(cfg.num_samples):
         if rank == 0:
             print(f"--- sample {i + 1}/{cfg.num_samples} ---")

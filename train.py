@@ -12,6 +12,7 @@ import json
 import math
 import os
 import random
+import signal
 import time
 
 import hydra
@@ -61,6 +62,14 @@ class Dist:
         dist.all_reduce(t)
         return t.item() / self.world
 
+    def any(self, flag):
+        """True on every rank when the flag is set on any rank."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+
     def close(self):
         if self.world > 1:
             dist.destroy_process_group()
@@ -76,17 +85,48 @@ def autocast_context(device, dtype_cfg):
 
 
 def grad_accum_steps(cfg, world):
+    """Micro-steps per optimizer step: global_batch_tokens / (micro_batch_size * seq_len * world);
+    global_batch_tokens null means one micro-batch per rank."""
     per_micro = cfg.train.micro_batch_size * cfg.train.seq_len * world
+    if cfg.train.global_batch_tokens is None:
+        return 1
     if cfg.train.global_batch_tokens % per_micro:
         raise ValueError(f"train.global_batch_tokens={cfg.train.global_batch_tokens} is not a multiple of "
                          f"micro_batch_size * seq_len * world_size = {per_micro}; change one of them")
     return cfg.train.global_batch_tokens // per_micro
 
 
+def validate(cfg):
+    """Settings that would otherwise fail deep inside the loop."""
+    for key in ("max_steps", "micro_batch_size", "seq_len", "log_interval", "eval_interval", "ckpt_interval",
+                "keep_last"):
+        if cfg.train[key] < 1:
+            raise ValueError(f"train.{key}={cfg.train[key]} must be >= 1")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+
+
+class StopRequest:
+    """Ctrl-C (SIGINT) or SIGTERM asks the run to stop at the next step boundary, where the
+    checkpoint is consistent; every rank stops at the same step."""
+
+    def __init__(self):
+        self.requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._request)
+
+    def _request(self, *_):
+        self.requested = True
+
+    def agreed(self, dist_info):
+        return dist_info.any(self.requested)
+
+
 def lr_at(step, max_steps, warmup, lr, min_ratio):
-    """Linear warmup over `warmup` steps, then cosine from lr to min_ratio * lr at max_steps."""
+    """Linear warmup from 0 over `warmup` steps, then cosine from lr to min_ratio * lr at max_steps;
+    evaluated at the tokens consumed before the step (fox.md §3.2: lr(0) = 0)."""
     if step < warmup:
-        return lr * (step + 1) / warmup
+        return lr * step / warmup
     progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
     return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
@@ -254,6 +294,7 @@ def print_sample(model, cfg, device):
 # ----------------------------------------------------------------------------- training
 
 def train(cfg):
+    validate(cfg)
     dist_info = Dist(cfg.train.device)
     device = dist_info.device
     torch.manual_seed(cfg.train.seed)
@@ -264,6 +305,10 @@ def train(cfg):
     os.makedirs(out_dir, exist_ok=True)
 
     model_config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    n_vocab = tokenizer_for(cfg.data).n_vocab
+    if model_config.vocab_size < n_vocab:
+        raise ValueError(f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's {n_vocab} "
+                         "tokens; use 50304 (GPT-2's 50257 padded to a multiple of 64)")
     raw_model = GPT(model_config).to(device)
     fsdp = dist_info.world > 1 and parallel_mode(cfg) == "fsdp"
     if fsdp:       # in place, before the optimizer sees the parameters
@@ -287,7 +332,7 @@ def train(cfg):
         OmegaConf.save(cfg, os.path.join(out_dir, "config.yaml"), resolve=True)
         print(f"model: {model_config.attention}, {raw_model.num_params() / 1e6:.2f}M parameters | "
               f"{dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
-              f"{cfg.train.global_batch_tokens} tokens/step | " + (f"resuming at step {step}" if step else "fresh run"))
+              f"{accum * B * T * dist_info.world} tokens/step | " + (f"resuming at step {step}" if step else "fresh run"))
     metrics = Metrics(cfg, out_dir, wandb_id) if dist_info.master else None
 
     use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
@@ -295,13 +340,16 @@ def train(cfg):
     if dist_info.world > 1 and not fsdp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = autocast_context(device, cfg.train.dtype)
-    tokens_per_step = cfg.train.global_batch_tokens
+    tokens_per_step = accum * B * T * dist_info.world
     warmup = warmup_steps(cfg.optim, tokens_per_step)
     flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
     last_ckpt = find_last(out_dir)
 
+    saved_step = step if last_ckpt else None
+
     def checkpoint(at_step):
-        nonlocal last_ckpt
+        nonlocal last_ckpt, saved_step
+        saved_step = at_step
         model_state, optim_state = full_training_state(raw_model, optimizer)
         if dist_info.master:
             last_ckpt = save_checkpoint(out_dir, at_step, model_state, optim_state, raw_model, loader, cfg,
@@ -323,65 +371,67 @@ def train(cfg):
         t_last += time.perf_counter() - start
         return result
 
-    try:
-        while step < cfg.train.max_steps:
-            lr = lr_at(step, cfg.train.max_steps, warmup, cfg.optim.lr, cfg.optim.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            loss_sum = 0.0
-            for micro in range(accum):
-                x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
-                sync = micro == accum - 1     # reduce gradients across ranks once per step
-                with gradient_sync(model, raw_model, dist_info.world, fsdp, sync), autocast:
-                    _, loss = model(x, y)
-                (loss / accum).backward()
-                loss_sum += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip)
-            if isinstance(grad_norm, DTensor):
-                grad_norm = grad_norm.full_tensor()
-            loss_value = dist_info.mean(loss_sum.item() / accum)
-            if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
-                raise FloatingPointError(
-                    f"non-finite loss ({loss_value}) or gradient norm at step {step}; stopping. "
-                    f"Last good checkpoint: {last_ckpt or 'none yet'}")
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            losses.append(loss_value)
-            bar.update(1)
+    stop = StopRequest()
+    while step < cfg.train.max_steps:
+        lr = lr_at(step, cfg.train.max_steps, warmup, cfg.optim.lr, cfg.optim.min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = 0.0
+        for micro in range(accum):
+            x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
+            sync = micro == accum - 1     # reduce gradients across ranks once per step
+            with gradient_sync(model, raw_model, dist_info.world, fsdp, sync), autocast:
+                _, loss = model(x, y)
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        loss_value = dist_info.mean(loss_sum.item() / accum)
+        if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
+            raise FloatingPointError(
+                f"non-finite loss ({loss_value}) or gradient norm at step {step}; stopping. "
+                f"Last good checkpoint: {last_ckpt or 'none yet'}")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        losses.append(loss_value)
+        bar.update(1)
 
-            if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = (time.perf_counter() - t_last) / len(losses)
-                t_last = time.perf_counter()
-                tok_s = tokens_per_step / dt
-                record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
-                          "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step,
-                          "tok_per_s": tok_s}
-                if device.type == "cuda":
-                    record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
-                losses = []
-                summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
-                if dist_info.master:
-                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                                    **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
-                    metrics.log(record)
-            if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
-                val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))
-                summary["val_loss"] = val
-                if dist_info.master:
-                    bar.write(f"step {step}: val loss {val:.4f}")
-                    metrics.log({"step": step, "val_loss": val})
-            if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
-                untimed(lambda: checkpoint(step))
-    except KeyboardInterrupt:
-        bar.close()
-        checkpoint(step)
-        if dist_info.master:
-            print(f"interrupted: saved {last_ckpt}; resume with train.resume=auto")
-        dist_info.close()
-        raise SystemExit(130)
+        if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = (time.perf_counter() - t_last) / len(losses)
+            t_last = time.perf_counter()
+            tok_s = tokens_per_step / dt
+            record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
+                      "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step,
+                      "tok_per_s": tok_s}
+            if device.type == "cuda":
+                record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
+            losses = []
+            summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
+            if dist_info.master:
+                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
+                                **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
+                metrics.log(record)
+        if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
+            val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))
+            summary["val_loss"] = val
+            if dist_info.master:
+                bar.write(f"step {step}: val loss {val:.4f}")
+                metrics.log({"step": step, "val_loss": val})
+        if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
+            untimed(lambda: checkpoint(step))
+        if stop.agreed(dist_info):
+            bar.close()
+            if saved_step != step:
+                checkpoint(step)
+            if dist_info.master:
+                print(f"interrupted at step {step}: saved {last_ckpt}; resume with train.resume=auto")
+            del model                  # DDP's reducer must die before its process group (gloo deadlock)
+            dist_info.close()
+            raise SystemExit(130)
     bar.close()
     if dist_info.master:
         print_summary(step, tokens_per_step, time.perf_counter() - t_start, summary, last_ckpt, out_dir)
@@ -389,6 +439,7 @@ def train(cfg):
             sampler = GPT.from_checkpoint(last_ckpt, device) if fsdp else raw_model
             print_sample(sampler.eval(), cfg, device)
         metrics.close()
+    del model                          # DDP's reducer must die before its process group (gloo deadlock)
     dist_info.close()
 
 

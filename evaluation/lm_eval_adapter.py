@@ -27,7 +27,6 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
-from data.tokenizer import get_tokenizer
 from evaluation import evaluation
 
 REPO = Path(__file__).resolve().parents[1]
@@ -299,11 +298,6 @@ def load_tasks(task_manager, names):
 
 # ----------------------------------------------------------------------------- evaluation
 
-def tokenizer_for(train_cfg):
-    """The tokenizer the checkpoint was trained with (gpt2, or gpt2_json for LongCrawl64)."""
-    return get_tokenizer(train_cfg.get("data", {}).get("tokenizer", "gpt2"))
-
-
 @evaluation("lm_eval")
 def run_lm_eval(model, ctx):
     """Run a preset and/or lm_eval.tasks; returns {preset or "tasks": {"<k>-shot": harness results}}."""
@@ -316,7 +310,7 @@ def run_lm_eval(model, ctx):
     preset = PRESETS[c.preset] if c.preset else None
     root = data_root(c.data_root)
     local = use_local_copies(c.offline, root)
-    lm = GPTLM(model, tokenizer_for(ctx.train_cfg), max_length=c.max_length, batch_tokens=c.batch_tokens,
+    lm = GPTLM(model, ctx.tokenizer, max_length=c.max_length, batch_tokens=c.batch_tokens,
                add_bos=c.add_bos, max_gen_toks=c.max_gen_toks,
                truncation=preset.truncation if preset else "left", first_line=bool(preset and preset.first_line))
     names, skipped = select_tasks(preset, c.tasks, local)

@@ -22,7 +22,7 @@ import torch
 
 from data.sample.tei_to_text import tei_to_text
 from evaluation import evaluation
-from evaluation.lm_eval_adapter import REPO, tokenizer_for
+from evaluation.lm_eval_adapter import REPO
 
 QUESTION = "What is the best thing to do in San Francisco?"
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -110,7 +110,7 @@ def plot_heatmap(grid, lengths, depths, train_len, title, png):
 def needle_in_a_haystack(model, ctx):
     c = ctx.cfg.niah
     train_len = ctx.train_cfg["train"]["seq_len"]
-    tokenizer = tokenizer_for(ctx.train_cfg)
+    tokenizer = ctx.tokenizer
     lengths, depths = grid_lengths(c, train_len), [float(d) for d in (c.depths or np.linspace(0, 100, 11).round())]
     if model.config.pos == "learned":
         lengths = [l for l in lengths if l + c.max_new_tokens <= model.config.block_size]

@@ -283,10 +283,7 @@ def tint_eval(model, ctx):
     if o["train_fracs"]:
         result["text"] = text_eval(scorer, ctx, o, methods, device)
     if o["task"]:
-        from data.tokenizer import get_tokenizer
-        data_cfg = ctx.data_cfg
-        tokenizer = get_tokenizer(data_cfg.get("tokenizer", "gpt2"), data_cfg.get("ranks_path"))
-        result["task"] = task_eval(scorer, ctx, o, methods, device, tokenizer)
+        result["task"] = task_eval(scorer, ctx, o, methods, device, ctx.tokenizer)
     print(format_table(result))
     return result
 

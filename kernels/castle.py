@@ -71,11 +71,14 @@ _IMPLS = ("auto", "torch", "blockwise", "triton")
 
 
 def _check(qc, kc, vc, qu, ku, vu, window):
-    shape = qc.shape
-    assert qc.dim() == 4, "expected (B, H, L, D) tensors"
-    for t in (kc, vc, qu, ku, vu):
-        assert t.shape == shape and t.dtype == qc.dtype and t.device == qc.device, "inputs must match"
-    assert window is None or (isinstance(window, int) and window >= 0), "window must be None or an int >= 0"
+    if qc.dim() != 4:
+        raise ValueError(f"CASTLE expects (B, H, L, D) tensors, got shape {tuple(qc.shape)}")
+    for name, t in zip(("kc", "vc", "qu", "ku", "vu"), (kc, vc, qu, ku, vu)):
+        if t.shape != qc.shape or t.dtype != qc.dtype or t.device != qc.device:
+            raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; all six inputs must match "
+                             f"qc: {tuple(qc.shape)} {qc.dtype} on {qc.device}")
+    if not (window is None or (isinstance(window, int) and window >= 0)):
+        raise ValueError(f"window must be None (CASTLE) or an int >= 0 (CASTLE-SWL), got {window!r}")
 
 
 def _compute_dtype(dtype):

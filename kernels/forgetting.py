@@ -418,6 +418,8 @@ class _ForgettingAttnTriton(torch.autograd.Function):
 def _check_inputs(q, k, v, log_fgate):
     if not (q.shape == k.shape == v.shape and q.dim() == 4):
         raise ValueError(f"q, k, v must share one (B, H, L, D) shape, got {q.shape}, {k.shape}, {v.shape}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if log_fgate.shape != q.shape[:3]:
         raise ValueError(f"log_fgate must be (B, H, L) = {tuple(q.shape[:3])}, got {tuple(log_fgate.shape)}")
     if log_fgate.dtype not in (torch.float32, torch.float64):

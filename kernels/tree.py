@@ -36,8 +36,9 @@ position is computed from that position's own cached data and the replicated que
              a multi-token chunk, or a sliding window (positions are global).
   FoX        bias_local=fox_bias(c_local), i.e. -c_j with c the *global* cumulative log forget
              gate stored with each cached key. The query's own c_i is common to every key and
-             cancels in the softmax (the returned lse then lacks +c_i). Build c for a sharded
-             prompt with sharded_cumsum; rebase c by subtracting the same constant on all ranks.
+             cancels in the softmax (the returned lse then lacks +c_i). model/gpt.py computes c on
+             the replicated token stream; sharded_cumsum builds it when each rank only holds its
+             own gates. Rebase c by subtracting the same constant on all ranks.
   CASTLE     every rank first adds the new token's term to the lookahead keys of its own rows
              (castle_update), the owner appends (u=0, q^U, k^C, v^C), then
              bias_local=castle_bias(qc, u_local, scale=scale) = -SiLU(scale * qc.u_j), with q, k, v
@@ -304,7 +305,8 @@ def castle_update(u_local, qu_local, ku, vu, *, pos, k_pos=None, window=None, sc
 
 
 def castle_bias(qc, u_local, *, scale=None):
-    """CASTLE's per-key logit term -SiLU(scale q^C.u_s) (castle.md §1.4): (B, H, t) -> (B, H, n, t).
+    """CASTLE's per-key logit term -SiLU(scale q^C.u_s) (castle.md §1.4): qc (B, H, n, D) and the
+    local lookahead keys u_local (B, H, t, D) -> (B, H, n, t).
     Add it to the causal logits scale q^C.k^C_s by passing it as bias_local with q=qc."""
     scale = qc.shape[-1] ** -0.5 if scale is None else scale
     ct = _at_least_fp32(qc.dtype)

@@ -264,7 +264,8 @@ class HeadRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(head_dim) if shared else torch.ones(n_head, 1, head_dim))
 
     def forward(self, x):
-        return F.rms_norm(x, (x.size(-1),), None, self.eps) * self.weight
+        # keep x's dtype: under autocast an fp32 scale would turn bf16 q/k/outputs into fp32
+        return F.rms_norm(x, (x.size(-1),), None, self.eps) * self.weight.to(x.dtype)
 
 
 def token_shift(x, alpha, prev):
@@ -293,7 +294,7 @@ class SoftmaxCache(KVCache):
         """Store c for the newest T positions (call after append); return c of the rows held here."""
         T = log_fgate.size(-1)
         c = fgate_cumsum(log_fgate, self.c_last)
-        self.c_last = c[..., -1:]
+        self.c_last = c[..., -1:].clone()
         chunk, rows = self._rows(self.length - T, T)
         self.log_fgate_cumsum[:, :, rows] = c[:, :, chunk]
         return self.log_fgate_cumsum[:, :, :self.n_local]
@@ -350,7 +351,8 @@ class SoftmaxAttention(nn.Module):
         prev_k = cache.last_raw_k if cache is not None else torch.zeros_like(k[:, :, :1])
         prev_v = cache.last_raw_v if cache is not None else torch.zeros_like(v[:, :, :1])
         if cache is not None:
-            cache.last_raw_k, cache.last_raw_v = k[:, :, -1:], v[:, :, -1:]
+            # clone: a view would keep the whole prompt's projection alive
+            cache.last_raw_k, cache.last_raw_v = k[:, :, -1:].clone(), v[:, :, -1:].clone()
         return token_shift(k, alpha_k, prev_k), token_shift(v, alpha_v, prev_v)
 
     def attend(self, q, k, v, log_fgate, cache):
@@ -400,7 +402,7 @@ register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_ga
 register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
 
 
-class CastleCache:
+class CastleLayerCache:
     """Holds the UQ-KV cache of kernels.castle (None until the prompt is prefilled), sized for
     max_len positions so that decoding never reallocates it."""
 
@@ -472,7 +474,7 @@ class CastleAttention(nn.Module):
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         if group is not None:
             return ShardedCastleCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
-        return CastleCache(max_len)
+        return CastleLayerCache(max_len)
 
     def flops_per_token(self, seq_len):
         # castle.md §3.7: ~4x FlashAttention per block pair; SWL tiles outside the window ~1.5x
@@ -595,14 +597,23 @@ class GPT(nn.Module):
                                for b in self.blocks])
 
     def flops_per_token(self, seq_len):
-        """Training FLOPs per token: 6N for the weights + each layer's own attention-core FLOPs."""
-        return 6 * self.num_params() + sum(b.attn.flops_per_token(seq_len) for b in self.blocks)
+        """Training FLOPs per token: 6N over the weights that multiply (an untied input embedding
+        and learned positions are lookups) + each layer's own attention-core FLOPs."""
+        n = self.num_params()
+        if not self.config.tie_embeddings:
+            n -= self.wte.weight.numel()
+        if self.wpe is not None:
+            n -= self.wpe.weight.numel()
+        return 6 * n + sum(b.attn.flops_per_token(seq_len) for b in self.blocks)
 
     def param_groups(self, weight_decay):
-        """AdamW groups: decay matrices (ndim >= 2), never norms, gains or biases."""
+        """AdamW groups: decay weight matrices and embeddings, never norm scales or biases."""
+        norms = (RMSNorm, HeadRMSNorm, nn.LayerNorm)
+        no_decay = {id(p) for m in self.modules() if isinstance(m, norms) for p in m.parameters()}
+        no_decay |= {id(p) for name, p in self.named_parameters() if name.endswith("bias")}
         params = [p for p in self.parameters() if p.requires_grad]
-        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
+                {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}]
 
     # ------------------------------------------------------------------------- generation
 
@@ -680,7 +691,7 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None):
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits / temperature
-    if top_k is not None:
+    if top_k:                             # None or 0: no top-k filtering
         kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:

@@ -44,7 +44,7 @@ from kernels import castle
 from model.gpt import (
     GPT,
     CastleAttention,
-    CastleCache,
+    CastleLayerCache,
     GPTConfig,
     ShardedCastleCache,
     SoftmaxCache,
@@ -115,7 +115,7 @@ def variant_name(config):
 def fill_layer(attn, layer, chunks, ctx, stream=None, max_len=None):
     """Append `ctx` positions, given as chunks, to one empty layer cache (sharded or not).
     max_len: room for the single-device CASTLE state (the other caches are preallocated)."""
-    if isinstance(layer, CastleCache):  # the single-device UQ-KV state of kernels.castle
+    if isinstance(layer, CastleLayerCache):  # the single-device UQ-KV state of kernels.castle
         return fill_castle_state(attn, layer, chunks, ctx, max_len)
     assert isinstance(layer, (SoftmaxCache, ShardedCastleCache)) and layer.length == 0, type(layer)
     rename = {"c": "log_fgate_cumsum"}
@@ -215,7 +215,7 @@ def contents_source(cache):
     the last W rows of Q^U (the only ones read again); older rows are given as zeros."""
     def source(i, attn):
         layer = cache.layers[i]
-        if isinstance(layer, CastleCache):
+        if isinstance(layer, CastleLayerCache):
             s = layer.state
             qu = torch.zeros_like(s.kc)   # rows before the last W (SWL) are never read again
             qu[:, :, s.length - s.qu.size(2):] = s.qu
@@ -234,7 +234,7 @@ def cache_bytes(cache):
     """Bytes of the cache tensors this rank holds."""
     total = 0
     for layer in cache.layers:
-        held = [layer.state] if isinstance(layer, CastleCache) else [layer]
+        held = [layer.state] if isinstance(layer, CastleLayerCache) else [layer]
         for obj in held:
             total += sum(x.numel() * x.element_size() for x in vars(obj).values()
                          if isinstance(x, torch.Tensor))

@@ -181,6 +181,37 @@ def test_unknown_config_key_is_named():
 def test_flops_per_token_counts_weights_and_attention():
     model = GPT(tiny())
     assert model.flops_per_token(32) == 6 * model.num_params() + 2 * 12 * 4 * 8 * 32
+    untied = GPT(tiny(tie_embeddings=False, pos="learned"))    # lookups cost no FLOPs
+    lookups = untied.wte.weight.numel() + untied.wpe.weight.numel()
+    assert untied.flops_per_token(32) == 6 * (untied.num_params() - lookups) + 2 * 12 * 4 * 8 * 32
+
+
+@pytest.mark.parametrize("name", ["fox_pro_per_head_qk_norm", "gpt2_style"])
+def test_no_weight_decay_on_norms_and_biases(name):
+    model = GPT(tiny(**VARIANTS[name]))
+    decay, no_decay = model.param_groups(0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert not any("norm" in n or n.endswith("bias") for n in decayed), decayed
+    assert "wte.weight" in decayed and no_decay["weight_decay"] == 0.0
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("name", ["transformer_pro", "fox_pro_per_head_qk_norm"])
+def test_pro_block_keeps_bf16_under_autocast(name):
+    """An fp32 norm scale must not promote bf16 queries/keys: the attention kernels need one dtype."""
+    model = GPT(tiny(**VARIANTS[name]))
+    attn = model.blocks[0].attn
+    seen, attend = [], attn.attend
+    attn.attend = lambda q, k, v, *rest: seen.append((q.dtype, k.dtype, v.dtype)) or attend(q, k, v, *rest)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randint(0, 97, (1, 6)))
+    assert seen == [(torch.bfloat16,) * 3]
+
+
+def test_top_k_zero_means_no_filtering():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    assert sample_token(logits, 0, top_k=0).item() == 0
 
 
 def experiment_model(name):

@@ -470,7 +470,6 @@ def test_tint_eval_driver(monkeypatch, tmp_path):
     from omegaconf import OmegaConf
 
     import data.loader
-    import data.tokenizer
     import evaluation.tint
     from evaluation import EVALUATIONS
 
@@ -486,7 +485,6 @@ def test_tint_eval_driver(monkeypatch, tmp_path):
             return [1 + (b % (V - 1)) for b in text.encode()]
 
     monkeypatch.setattr(data.loader, "build_loader", lambda cfg, split, B, L: Loader())
-    monkeypatch.setattr(data.tokenizer, "get_tokenizer", lambda *a, **k: Tok())
     task = tmp_path / "mc.jsonl"
     task.write_text("\n".join(json.dumps({"query": f"Question: q{i}?", "choices": ["ab", "c"], "gold": i % 2})
                               for i in range(3)))
@@ -499,6 +497,7 @@ def test_tint_eval_driver(monkeypatch, tmp_path):
 
     ctx = Ctx()
     ctx.cfg, ctx.data_cfg, ctx.seq_len, ctx.device = cfg, OmegaConf.create({"tokenizer": "gpt2"}), 14, "cpu"
+    ctx.tokenizer = Tok()
     res = EVALUATIONS["tint"](aux().float(), ctx)
     json.dumps(res)
     assert res["simulator"]["params_built"] == res["simulator"]["params_formula"]

@@ -9,6 +9,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["size=tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.head_dim=16",
@@ -158,7 +159,7 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-2000:]
-    assert "interrupted: saved" in out
+    assert "interrupted at step" in out and "saved" in out
     saved = [f for f in os.listdir(tmp_path) if f.startswith("ckpt_")]
     assert len(saved) == 1
     step = int(saved[0][5:-3])
@@ -166,3 +167,24 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     resumed = run("train.py", TINY + [f"train.out_dir={tmp_path}", f"train.max_steps={step + 1}",
                                       "train.global_batch_tokens=128"])
     assert f"resuming at step {step}" in resumed.stdout
+
+
+def test_streamed_text_equals_decoded_text_for_json_tokenizer(capsys):
+    """Streaming never prints a JSON escape or UTF-8 character before it is complete."""
+    from types import SimpleNamespace
+
+    import sample
+    from data.tokenizer import get_tokenizer
+
+    tok = get_tokenizer("gpt2_json")
+    ids = tok.encode_ordinary('He said "hi"\nthen left. café ✓ 😀 end')
+
+    class Replay:
+        def generate_stream(self, idx, *args, **kwargs):
+            yield from (torch.tensor([i]) for i in ids)
+
+    cfg = SimpleNamespace(stop_at_eot=True, prefill_chunk=None, max_new_tokens=len(ids), temperature=0,
+                          top_k=None, top_p=None)
+    text = sample.stream_text(Replay(), tok, [tok.eot_token], cfg, "cpu")
+    assert text == 'He said "hi"\nthen left. café ✓ 😀 end'
+    assert capsys.readouterr().out == text + "\n"
