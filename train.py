@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 from data.loader import build_loader
 from data.tokenizer import tokenizer_for
+from evaluation.heldout import mean_loss
 from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
                        find_checkpoint, load_checkpoint)
 from scripts.plot_runs import plot_runs
@@ -274,14 +275,9 @@ def validation_loss(model, cfg, dist_info, autocast):
     loader = build_loader(cfg.data, "val", B, T, dist_info.rank, dist_info.world)
     steps = max(1, cfg.train.eval_tokens // (B * T * dist_info.world))
     model.eval()
-    total = 0.0
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        with autocast:
-            _, loss = model(x.to(dist_info.device), y.to(dist_info.device))
-        total += loss.item()
+    loss = mean_loss(model, loader, steps, dist_info.device, autocast)
     model.train()
-    return dist_info.mean(total / steps)
+    return dist_info.mean(loss)
 
 
 def print_sample(model, cfg, device):

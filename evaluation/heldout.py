@@ -1,4 +1,5 @@
 """Held-out next-token loss and perplexity on the validation shards."""
+import contextlib
 import math
 
 import torch
@@ -14,12 +15,18 @@ def heldout_loss(model, ctx):
     config's val_tokens) validation tokens."""
     B, T = ctx.cfg.eval.batch_size, ctx.seq_len
     loader = build_loader(ctx.data_cfg, "val", B, T)
-    val_tokens = ctx.cfg.eval.val_tokens or ctx.data_cfg.val_tokens
-    steps = max(1, val_tokens // (B * T))
+    steps = max(1, (ctx.cfg.eval.val_tokens or ctx.data_cfg.val_tokens) // (B * T))
+    loss = mean_loss(model, loader, steps, ctx.device)
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": steps * B * T, "seq_len": T}
+
+
+@torch.no_grad()
+def mean_loss(model, loader, steps, device, autocast=contextlib.nullcontext()):
+    """Mean next-token loss over `steps` batches of `loader` (train.py's validation uses it too)."""
     total = 0.0
     for _ in range(steps):
         x, y = loader.next_batch()
-        _, loss = model(x.to(ctx.device), y.to(ctx.device))
+        with autocast:
+            _, loss = model(x.to(device), y.to(device))
         total += loss.item()
-    loss = total / steps
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": steps * B * T, "seq_len": T}
+    return total / steps
