@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from data.tokenizer import tokenizer_for
 from model.gpt import load_model
+from train import Dist
 
 
 # Characters at the end of the decoded text that a later token can still change: the rest of a
@@ -52,39 +53,30 @@ def write(text, printed):
 
 
 def init_sharding(cfg):
-    """(group, rank, device): one process group over all torchrun ranks with sharded=true, NCCL on
-    GPUs (one per local rank) and gloo on CPU; (None, 0, cfg.device) for a single process."""
+    """(ranks, group): the processes and devices (train.Dist: one GPU per local rank, NCCL on GPUs,
+    gloo on CPU); group is the process group over all torchrun ranks with sharded=true, else None."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not cfg.sharded:
         raise ValueError(f"sample.py runs on {world} processes: pass sharded=true to split the cache "
                          "over them, or start it with python instead of torchrun")
-    if world == 1:
-        return None, 0, cfg.device
-    device = cfg.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if torch.device(device).type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
-    return dist.group.WORLD, dist.get_rank(), device
+    ranks = Dist(cfg.device)
+    return ranks, dist.group.WORLD if ranks.world > 1 else None
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="sample")
 def main(cfg):
-    group, rank, device = init_sharding(cfg)
+    ranks, group = init_sharding(cfg)
     torch.manual_seed(cfg.seed)
-    model, train_cfg, device = load_model(cfg.ckpt, device, cfg.dtype)
+    model, train_cfg, device = load_model(cfg.ckpt, ranks.device, cfg.dtype)
     tok = tokenizer_for(train_cfg["data"])
     # training documents start after an end-of-text token, so prompts do too (bos=false: raw prompt)
     prompt_ids = [tok.eot_token] * (cfg.bos or not cfg.prompt) + tok.encode_ordinary(cfg.prompt)
     for i in range(cfg.num_samples):
-        if rank == 0:
+        if ranks.master:
             print(f"--- sample {i + 1}/{cfg.num_samples} ---")
             sys.stdout.write(cfg.prompt)
-        stream_text(model, tok, prompt_ids, cfg, device, group, show=rank == 0)
-    if group is not None:
-        dist.destroy_process_group()
+        stream_text(model, tok, prompt_ids, cfg, device, group, show=ranks.master)
+    ranks.close()
 
 
 if __name__ == "__main__":

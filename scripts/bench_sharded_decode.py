@@ -49,6 +49,7 @@ from model.gpt import (
     ShardedCastleCache,
     SoftmaxCache,
 )
+from train import Dist  # noqa: E402
 
 VARIANTS = ("baseline", "fox", "castle", "castle_swl")
 PRO = dict(qk_norm=True, kv_shift=True, output_gate=True, output_norm=True)
@@ -405,19 +406,6 @@ def table(rows):
     return "\n".join(lines)
 
 
-def init_group(device):
-    """(group, rank, device) as sample.py's init_sharding (not imported: it needs Hydra): one group
-    over all torchrun ranks, NCCL with one GPU per local rank or gloo on CPU; (None, 0, device)
-    for a single process."""
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return None, 0, torch.device(device)
-    if device == "cuda":   # NCCL_NVLS_ENABLE=0 stays set (NVLink multicast off)
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
-    return dist.group.WORLD, dist.get_rank(), torch.device(device)
-
-
 def resolve(args):
     """(device, dtype) from the options (the device may still be refined per local rank)."""
     device = args.device
@@ -433,9 +421,8 @@ def resolve(args):
 def main(argv=None):
     args = parse(argv)
     device, dtype = resolve(args)
-    group, rank, device = init_group(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    ranks = Dist(device)        # one GPU per local rank, NCCL (NCCL_NVLS_ENABLE=0 stays set) or gloo
+    group, rank, device = (dist.group.WORLD if ranks.world > 1 else None), ranks.rank, ranks.device
     if args.graphs and device.type != "cuda":
         raise SystemExit("--graphs needs CUDA")
     world = dist.get_world_size(group) if group is not None else 1
