@@ -32,7 +32,7 @@ from data.loader import build_loader
 from data.tokenizer import tokenizer_for
 from evaluation.heldout import mean_loss
 from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
-                       find_checkpoint, load_checkpoint)
+                       load_checkpoint)
 from scripts.plot_runs import plot_runs
 
 
@@ -229,7 +229,7 @@ def resume_checkpoint(cfg):
         if not checkpoint_files(cfg.train.out_dir):
             return None
         return load_checkpoint(cfg.train.out_dir)
-    return load_checkpoint(find_checkpoint(mode))
+    return load_checkpoint(mode)
 
 
 def check_same_model(ckpt, model_config):
@@ -339,7 +339,7 @@ def train(cfg):
     tokens_per_step = accum * B * T * dist_info.world
     warmup = warmup_steps(cfg.optim, tokens_per_step)
     flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
-    last_ckpt = find_last(out_dir)
+    last_ckpt = (checkpoint_files(out_dir) or [None])[-1]
 
     saved_step = step if last_ckpt else None
 
@@ -450,11 +450,6 @@ def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
     if "val_loss" in summary:
         parts.append(f"val loss {summary['val_loss']:.4f}")
     print("done: " + " | ".join(parts) + f"\ncheckpoint: {last_ckpt}\nloss curve: {plot}")
-
-
-def find_last(out_dir):
-    files = checkpoint_files(out_dir)
-    return files[-1] if files else None
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
