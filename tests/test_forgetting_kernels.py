@@ -4,7 +4,6 @@ Invariant numbers (I1...) refer to shared/spec/fox.md §7. On CPU the Triton ker
 interpreter on tiny shapes (tile 16, so L = 17, 45 cover several tiles and padded tails); the
 gpu-marked tests run the compiled kernels at real shapes.
 """
-import os
 
 import pytest
 import torch
@@ -12,49 +11,7 @@ import torch.nn.functional as F
 
 from kernels.forgetting import _reverse_cumsum, fgate_cumsum, forgetting_attn, forgetting_decode
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _fix_triton_interpreter():
-    """Work around three Triton 3.6 interpreter bugs, for this module's tests only (the compiled
-    GPU path is unaffected; kernels/forgetting.py has no interpreter-specific code):
-
-    - numpy >= 2.4 refuses int() of a 1-element array, which the interpreter uses for
-      runtime loop bounds (`range(lo, hi)` with lo, hi computed in the kernel);
-    - tl.dot on bf16 multiplies the raw uint16 bit patterns;
-    - fp32 -> bf16 casts truncate instead of rounding to nearest even.
-    """
-    if not INTERPRET:
-        yield
-        return
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    patch_tensor = interp._patch_lang_tensor
-    builder = interp.InterpreterBuilder
-    create_dot, cast_impl = builder.create_dot, builder.cast_impl
-
-    def _patch_lang_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    def _create_dot(self, a, b, d, *args):
-        up = lambda x: cast_impl(self, x, tl.float32) if x.dtype.scalar == tl.bfloat16 else x
-        return create_dot(self, up(a), up(b), d, *args)
-
-    def _cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            bits = torch.from_numpy(src.data).to(torch.bfloat16).view(torch.uint16).numpy()
-            return interp.TensorHandle(bits, tl.bfloat16)
-        return cast_impl(self, src, dst_type)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(interp, "_patch_lang_tensor", _patch_lang_tensor)
-        mp.setattr(builder, "create_dot", _create_dot)
-        mp.setattr(builder, "cast_impl", _cast_impl)
-        yield
 
 
 # gate logit ranges (fox.md I2): log f = logsigmoid(logit)
