@@ -127,8 +127,10 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, C, c_ref, stride_kl, stride_vl, offs_m, l
     return acc, m_i, l_i
 
 
+# The float scales are constexpr: torch.compile (Inductor) would pass a Python float as an fp64
+# scalar and promote the logits to fp64; as constants they stay fp32 in eager and compiled runs.
 @triton.jit
-def _fwd_kernel(Q, K, V, C, O, LSE2, scale2,
+def _fwd_kernel(Q, K, V, C, O, LSE2, scale2: tl.constexpr,
                 stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                 stride_vb, stride_vh, stride_vl, H, L,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -227,7 +229,7 @@ def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl, st
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale, scale2,
+def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.constexpr, scale2: tl.constexpr,
                 stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                 stride_vb, stride_vh, stride_vl, H, L,
                 HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_LARGE: tl.constexpr,

@@ -11,6 +11,8 @@ forward+backward 3.5x that, the same for every implementation.
 
     python scripts/bench_forgetting.py --L 2048 4096 8192 16384 --D 64 128 --dtype bf16
 
+The default shapes are the FoX issue's: 16 heads and B*L = 16384 tokens (B8 L2048 ... B1 L16384).
+
 On an H100 one head dim over the four lengths takes about 2-3 minutes (compilation and
 autotuning of every implementation included); `--show-tuning` prints every config's time.
 """
@@ -107,8 +109,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--L", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     p.add_argument("--D", type=int, nargs="+", default=[64, 128])
-    p.add_argument("--B", type=int, default=None, help="batch; default 32768 // L (at least 1)")
-    p.add_argument("--H", type=int, default=None, help="heads; default 2048 // D")
+    p.add_argument("--B", type=int, default=None, help="batch; default 16384 // L (at least 1)")
+    p.add_argument("--H", type=int, default=None, help="heads; default 16")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--show-tuning", action="store_true", help="print every autotuned config's time")
     args = p.parse_args()
@@ -124,8 +126,8 @@ def main():
     print("|---|---|---|---|---|---|---|---|---|---|")
     for D in args.D:
         for L in args.L:
-            B = args.B or max(1, 32768 // L)
-            H = args.H or 2048 // D
+            B = args.B or max(1, 16384 // L)
+            H = args.H or 16
             rows, notes = bench_shape(B, H, L, D, DTYPES[args.dtype], fla)
             sdpa = {r[0]: r for r in rows}.get(SDPA)
             for name, t_fwd, tf_fwd, t_all, tf_all in rows:

@@ -3,11 +3,13 @@
 
     python scripts/bench_train.py                                   # the issue's table on one GPU
     python scripts/bench_train.py --models baseline_paper_S castle_paper_S --steps 20
-    python scripts/bench_train.py --device cpu --models tiny --steps 2 --batch 2 --seq-len 64 --no-compile
+    python scripts/bench_train.py --models baseline_paper_S --override model.mlp_multiple_of=64
+    python scripts/bench_train.py --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
 
-Each model is an experiment config (configs/experiment/*.yaml) or `tiny`; the micro-batch is
-`--batch` sequences of the experiment's context (or --seq-len). Random tokens: throughput does not
-depend on the data. MFU uses the model's own FLOP count (6N + each attention's FLOPs).
+Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
+overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
+experiment's context (or --seq-len). Random tokens: throughput does not depend on the data. MFU uses
+the model's own FLOP count (6N + each attention's FLOPs, castle.md / fox.md counts).
 """
 import argparse
 import os
@@ -27,9 +29,9 @@ DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "b
                   "transformer_pro_125M", "fox_pro_125M"]
 
 
-def model_config(name, seq_len):
+def model_config(name, seq_len, overrides=()):
     """(GPTConfig, context length) of an experiment config, or of the default tiny model."""
-    overrides = [] if name == "tiny" else [f"experiment={name}"]
+    overrides = ([] if name == "tiny" else [f"experiment={name}"]) + list(overrides)
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     if seq_len:
@@ -39,12 +41,13 @@ def model_config(name, seq_len):
 
 
 def bench(name, args, device):
-    config, T = model_config(name, args.seq_len)
+    config, T = model_config(name, args.seq_len, args.override)
+    batch = max(1, args.batch_tokens // T)
     torch.manual_seed(0)
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model) if args.compile else model
-    idx = torch.randint(0, config.vocab_size, (args.batch, T + 1), device=device)
+    idx = torch.randint(0, config.vocab_size, (batch, T + 1), device=device)
     x, y = idx[:, :-1], idx[:, 1:]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
 
@@ -67,8 +70,8 @@ def bench(name, args, device):
         loss = step()
     sync()
     dt = (time.perf_counter() - t0) / args.steps
-    tokens = args.batch * T
-    row = {"model": name, "params_M": model.num_params() / 1e6, "seq_len": T, "tok_s": tokens / dt,
+    tokens = batch * T
+    row = {"model": name, "batch": batch, "params_M": model.num_params() / 1e6, "seq_len": T, "tok_s": tokens / dt,
            "loss": loss.item()}
     if device.type == "cuda":
         row["mfu"] = model.flops_per_token(T) * tokens / dt / args.peak_flops
@@ -82,7 +85,8 @@ def bench(name, args, device):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
-    p.add_argument("--batch", type=int, default=8, help="sequences per step")
+    p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per step (sequences = this // context)")
+    p.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every model, e.g. model.mlp_multiple_of=64")
     p.add_argument("--seq-len", type=int, default=None, help="override the experiment's context")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -96,12 +100,12 @@ def main():
     rows = [bench(name, args, device) for name in args.models]
     print(f"\ncommand: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
-    print("| model | params | context | tokens/s | MFU | peak GiB |")
+    print("| model | params | context x batch | tokens/s | MFU | peak GiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         mem = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
-        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} | {r['tok_s']:,.0f} | {mfu} | {mem} |")
+        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} x {r['batch']} | {r['tok_s']:,.0f} | {mfu} | {mem} |")
 
 
 if __name__ == "__main__":
