@@ -36,9 +36,17 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
   * Backward, one program per (key block c, batch*head), with no waiting: it starts from the saved U_c
     (its value where the backward's last row block starts), walks the row blocks from the last one down,
     and recovers the earlier values by subtraction (spec eq 33), carrying U_c, dU_c and the key-block
-    gradients dKc, dVc, dQu in registers. Row gradients dQc, dKu, dVu are fp32 atomic adds, so the
-    backward is not bitwise deterministic (like FlashAttention's dQ); the forward is. The two gradient
-    paths into a sigma tile (the local term, and the update of U_c) are summed before one use.
+    gradients dKc, dVc, dQu. Row gradients dQc, dKu, dVu are fp32 atomic adds, so the backward is not
+    bitwise deterministic (like FlashAttention's dQ); the forward is. The two gradient paths into a
+    sigma tile (the local term, and the update of U_c) are summed before one use. A step recomputes
+    ~8 tiles and keeps most of them live, so it runs out of registers (255 and spills at every tile
+    size, scripts/castle_regs.py); two schedules of the same kernel trade registers for work
+    (CASTLE_BWD_VARIANT, default "split"; see BWD_VARIANTS):
+      "fused"   one launch, the five carried (n x d) fp32 states in registers;
+      "split"   two launches that each recompute the scores: dVc, dKc, dQc and E's part of dVu (carrying
+                U, dKc, dVc), then the sigma paths dU, dQu, dKu and the rest of dVu (carrying U, dU, dQu).
+    On an H200 (bf16, B8 H16 L2048 D64) "split" 64/64 takes 5.74 ms, "fused" 64/32 6.64 ms
+    (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators.
@@ -231,6 +239,18 @@ class _CastleBlockwise(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------
 # impl="triton": kernels (see the module docstring for the schedule)
 
+# Backward variants. A step of the backward keeps many tiles live, and next to them five (n x d) fp32
+# states per key block (U, dU, dKc, dVc, dQu); every tile size spills registers in "fused" (see
+# scripts/castle_regs.py, which prints the counts).
+#   "fused"   one launch, all five states in registers.
+#   "split"   two launches of the same kernel, each recomputing the scores: one for the causal-score
+#             gradients (carries U, dKc, dVc), one for the sigma paths (carries U, dU, dQu). ~1.4x the
+#             matmuls, but a step needs about half the registers.
+BWD_VARIANTS = ("fused", "split")
+BWD_VARIANT = os.environ.get("CASTLE_BWD_VARIANT", "split")
+assert BWD_VARIANT in BWD_VARIANTS, f"CASTLE_BWD_VARIANT must be one of {BWD_VARIANTS}"
+
+
 @dataclass(frozen=True)
 class TritonConfig:
     """Tiles: m = query rows per tile, n = key columns per tile (n divides m; powers of two >= 16);
@@ -242,18 +262,27 @@ class TritonConfig:
     n_bwd: int
     warps_bwd: int
     stages_bwd: int
+    bwd_variant: str = BWD_VARIANT
 
 
-def _default_config(block_d, dtype):
-    """Tiles per head dim: the fastest of scripts/bench_castle.py --sweep on an H100 (bf16, L = 2048).
-    The backward spills registers at every tile size (many live tiles per step), hence its small tiles."""
-    if _interpreting():  # the interpreter: the smallest legal tiles, so that tiny tests cross blocks
-        return TritonConfig(32, 16, 4, 16, 16, 4, 1)
+def _default_config(block_d, dtype, variant=BWD_VARIANT):
+    """The tiles castle_attn / castle_prefill use: _gpu_config's, or under the interpreter the smallest
+    legal ones, so that tiny tests cross blocks."""
+    if _interpreting():
+        return TritonConfig(32, 16, 4, 16, 16, 4, 1, variant)
+    return _gpu_config(block_d, dtype, variant)
+
+
+def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
+    """Tiles per head dim on a GPU. Forward: the fastest of scripts/bench_castle.py --sweep on an H100
+    (bf16, L = 2048). Backward, D <= 64: the sweep's winners on an H200 (B8 H16 L2048: split 64/64
+    5.74 ms, fused 64/32 6.64 ms). D = 128 (not swept yet): the tiles whose launches spill least
+    (scripts/castle_regs.py)."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
-        return TritonConfig(32, 16, 4, 32, 16, 4, 1)
+        return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
-        return TritonConfig(64, 64, 4, 32, 32, 4, 1)
-    return TritonConfig(64, 32, 4, 16, 16, 4, 1)
+        return TritonConfig(64, 64, 4, *((64, 64) if variant == "split" else (64, 32)), 4, 1, variant)
+    return TritonConfig(64, 32, 4, 16, 16, 4, 1, variant)
 
 
 if triton is not None:
@@ -279,10 +308,12 @@ if triton is not None:
         first = r * (BM // BN)
         return tl.where(c >= first, c - first + 1, first + BM // BN - c)
 
+    # `scale` is constexpr: torch.compile (Inductor) would pass a Python float as an fp64 scalar,
+    # which promotes the tiles to fp64 and fails to compile; as a constant it stays fp32 everywhere.
     @triton.jit
     def _castle_fwd_kernel(
         QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
-        stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale,
+        stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr,
     ):
@@ -366,109 +397,42 @@ if triton is not None:
         tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(denom))
 
     @triton.jit
-    def _castle_bwd_tile(
-        QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU,
-        a, c, off, g_off, lse_off, stride_l, L, NR, W, scale, last_row,
-        qu_c, kc_c, vc_c, rows_c, u, du, dkc, dvc, dqu,
-        HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr,
-    ):
-        """Tile (query row block a, key block c) of the backward. u = U_c as of the start of row block
-        a + 1 on entry and of row block a on return; du, dkc, dvc, dqu accumulate for key block c."""
-        offs_m = tl.arange(0, BM)
-        offs_d = tl.arange(0, BLOCK_D)
-        tril = offs_m[:, None] >= offs_m[None, :]
-        rows_a = a * BM + offs_m
-        mask_a = (rows_a[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
-        ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
-        g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
-        qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
-        ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
-        vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
-        do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
-        lse_a = tl.load(LSE + lse_off + rows_a)
-        delta_a = tl.load(DELTA + lse_off + rows_a)
-        in_window = a <= last_row
-        folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
-        after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
-
-        # Recompute the scores of the tile (eqs 22/24, 19), undoing row a's update of U_c first (eq 33).
-        s = tl.zeros([BM, BN], dtype=tl.float32)
-        sig = tl.zeros([BN, BM], dtype=DT)
-        r = tl.zeros([BM, BM], dtype=DT)
-        if in_window:
-            sig = _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC).to(DT)
-            if folded:
-                u -= tl.dot(sig, vu_a, input_precision=PREC)
-            r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
-            s = tl.dot(r, tl.trans(sig), input_precision=PREC)
-        u_t = u.to(DT)
-        if after:
-            s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
-        sg = tl.sigmoid(s)
-        sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
-        sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc * _LOG2E, float("-inf"))
-        p = tl.exp2(sc - lse_a[:, None])                                            # eq (25)
-        dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                     # eq (26)
-        da = p * (dp - delta_a[:, None])                                            # eq (28)
-        ds = (-da * sg * (1.0 + s * (1.0 - sg))).to(DT)                             # eq (29)
-
-        # Causal-score gradients (eqs 27, 30) and dQc; temporaries die in this order to spare registers.
-        dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)
-        da = da.to(DT)
-        dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)
-        dqc_a = tl.dot(da, kc_c, input_precision=PREC)
-        if after:
-            dqc_a += tl.dot(ds, u_t, input_precision=PREC)
-        if in_window:
-            e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)      # eq (31)
-            dqc_a += tl.dot(e, vu_a, input_precision=PREC)
-            # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a (eq 32),
-            # so dU gets this tile's own contribution only at the end.
-            dvu_a = tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
-            if folded:
-                dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-            tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
-            # Both gradient paths into sigma_{c,a}: the local term (via R) and the update of U_c.
-            dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
-            if folded:
-                dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
-            sig32 = sig.to(tl.float32)
-            dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
-            dqu += tl.dot(dz, ku_a, input_precision=PREC)
-            tl.atomic_add(DKU + g_ptr, tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale,
-                          mask=mask_a, sem="relaxed")
-        tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
-        if after:
-            du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
-        return u, du, dkc, dvc, dqu
-
-    @triton.jit
     def _castle_bwd_kernel(
         QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U,
         DQC, DKC, DVC, DQU, DKU, DVU,
-        stride_b, stride_h, stride_l, H, L, NR, NC, W, scale, lse_rows, u_rows,
+        stride_b, stride_h, stride_l, H, L, NR, NC, W, scale: tl.constexpr, lse_rows, s_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr, INTERPRET: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr,
+        CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
     ):
-        # One program per (head, key block c); within a head the longest column (c = 0) first.
-        pid = tl.program_id(0)
-        bh = pid // NC
+        """One program per (head, key block c); walks the row blocks a = NR-1 .. own block of c.
+
+        Carried for key block c: U_c (as of the start of row block a + 1 on entering a step), dU_c
+        (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in registers; U_c is read from
+        and dKc, dVc, dQu are written to this program's rows of fp32 (BH, s_rows, BLOCK_D) buffers. Which
+        gradients a launch computes: CAUSAL_GRADS dVc, dKc, dQc and E's part of dVu (eqs 27, 30, 31),
+        SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu and the rest of dVu."""
+        pid = tl.program_id(0)                                    # within a head the longest column (c = 0)
+        bh = pid // NC                                            # starts first
         c = pid % NC
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-        g_off = bh.to(tl.int64) * L * HEAD_DIM                    # gradients and DO: contiguous (B, H, L, D)
+        g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
 
+        offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
         offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d[None, :] < HEAD_DIM
+        tril = offs_m[:, None] >= offs_m[None, :]
         rows_c = c * BN + offs_n
-        mask_c = (rows_c[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
+        mask_c = (rows_c[:, None] < L) & dmask
         ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
         qu_c = tl.load(QU + ptr_c, mask=mask_c, other=0.0).to(DT)
         kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
         vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
-        # Lookahead keys of block c as of the start of the last row block (saved by the forward).
-        u = tl.load(U + bh.to(tl.int64) * u_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
+        st_ptr = bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :]
+        # U_c as of the start of the last row block (saved by the forward; read only).
+        u = tl.load(U + st_ptr)
         du = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dkc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dvc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
@@ -476,25 +440,87 @@ if triton is not None:
         last_row = _last_row_block(c, W, NR, BM, BN)
         own_row = c // (BM // BN)                                 # the row block holding key block c
 
-        if INTERPRET:  # the interpreter cannot take program-dependent range() bounds (numpy >= 2)
-            a = NR - 1
-            while a >= own_row:
-                u, du, dkc, dvc, dqu = _castle_bwd_tile(
-                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, a, c, off, g_off, lse_off, stride_l,
-                    L, NR, W, scale, last_row, qu_c, kc_c, vc_c, rows_c, u, du, dkc, dvc, dqu,
-                    HEAD_DIM, BM, BN, BLOCK_D, DT, PREC)
-                a -= 1
-        else:
-            for i in range(0, NR - own_row):
-                u, du, dkc, dvc, dqu = _castle_bwd_tile(
-                    QC, KU, VU, DO, LSE, DELTA, DQC, DKU, DVU, NR - 1 - i, c, off, g_off, lse_off, stride_l,
-                    L, NR, W, scale, last_row, qu_c, kc_c, vc_c, rows_c, u, du, dkc, dvc, dqu,
-                    HEAD_DIM, BM, BN, BLOCK_D, DT, PREC)
+        # A fixed trip count with a guard: the interpreter cannot take program-dependent range() bounds.
+        for i in range(0, NR):
+            a = NR - 1 - i
+            if a >= own_row:
+                rows_a = a * BM + offs_m
+                mask_a = (rows_a[:, None] < L) & dmask
+                ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
+                g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+                qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
+                ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+                vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+                do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
+                lse_a = tl.load(LSE + lse_off + rows_a)
+                delta_a = tl.load(DELTA + lse_off + rows_a)
+                in_window = a <= last_row
+                folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
+                after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
 
-        g_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
-        tl.store(DKC + g_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
-        tl.store(DVC + g_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_c)
-        tl.store(DQU + g_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_c)
+                # Recompute the scores of the tile (eqs 22/24, 19), undoing row a's update of U_c (eq 33).
+                s = tl.zeros([BM, BN], dtype=tl.float32)
+                sig = tl.zeros([BN, BM], dtype=DT)
+                r = tl.zeros([BM, BM], dtype=DT)
+                if in_window:
+                    sig = _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC).to(DT)
+                    if folded:
+                        u -= tl.dot(sig, vu_a, input_precision=PREC)
+                    r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
+                    s = tl.dot(r, tl.trans(sig), input_precision=PREC)
+                u_t = u.to(DT)
+                if after:
+                    s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
+                # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as soon
+                # as it can (SiLU'(S) before the softmax, dVc before dP), which keeps the peak at three.
+                sg = tl.sigmoid(s)
+                sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
+                dsilu = sg * (1.0 + s * (1.0 - sg))
+                sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc * _LOG2E, float("-inf"))
+                p = tl.exp2(sc - lse_a[:, None])                                            # eq (25)
+                if CAUSAL_GRADS:
+                    dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)           # eq (27)
+                dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                     # eq (26)
+                da = p * (dp - delta_a[:, None])                                            # eq (28)
+                ds = (-da * dsilu).to(DT)                                                   # eq (29)
+                if CAUSAL_GRADS:
+                    da = da.to(DT)
+                    dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)                 # eq (30), dQc
+                    dqc_a = tl.dot(da, kc_c, input_precision=PREC)
+                    if after:
+                        dqc_a += tl.dot(ds, u_t, input_precision=PREC)
+                if in_window:
+                    dvu_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
+                    if CAUSAL_GRADS:
+                        e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)  # eq (31)
+                        dqc_a += tl.dot(e, vu_a, input_precision=PREC)
+                        dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+                    if SIGMA_GRADS:
+                        # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
+                        # (eq 32), so dU gets this tile's own contribution only at the end.
+                        if folded:
+                            dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
+                    tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+                    if SIGMA_GRADS:
+                        # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
+                        dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
+                        if folded:
+                            dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
+                        sig32 = sig.to(tl.float32)
+                        dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
+                        dqu += tl.dot(dz, ku_a, input_precision=PREC)
+                        tl.atomic_add(DKU + g_ptr, tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale,
+                                      mask=mask_a, sem="relaxed")
+                if CAUSAL_GRADS:
+                    tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
+                if SIGMA_GRADS and after:
+                    du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
+
+        if CAUSAL_GRADS:
+            tl.store(DKC + st_ptr, dkc)
+            tl.store(DVC + st_ptr, dvc)
+        if SIGMA_GRADS:
+            tl.store(DQU + st_ptr, dqu)
 
 
 def _interpreting():
@@ -536,6 +562,18 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     return out, lse, u
 
 
+def _bwd_kernels(variant, D, block_d, cfg, dt, prec):
+    """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
+    reads it too)."""
+    consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=prec,
+                  CAUSAL_GRADS=True, SIGMA_GRADS=True)
+    if variant == "fused":
+        return [("all", _castle_bwd_kernel, consts)]
+    assert variant == "split", f"backward variant must be one of {BWD_VARIANTS}, got {variant!r}"
+    return [("causal", _castle_bwd_kernel, {**consts, "SIGMA_GRADS": False}),
+            ("sigma", _castle_bwd_kernel, {**consts, "CAUSAL_GRADS": False})]
+
+
 def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
@@ -544,18 +582,20 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
     delta[:, :L] = (do.float() * out.float()).sum(-1).flatten(0, 1)
     dqc, dku, dvu = (torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3))
-    dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
+    # Key-block gradients in (BH, rows, block_d) fp32 buffers laid out like U; every row is written.
+    dkc, dvc, dqu = torch.empty_like(u), torch.empty_like(u), torch.empty_like(u)
     dt = _dot_dtype(qc.dtype)
-    _castle_bwd_kernel[(B * H * nc,)](
-        qc, kc, vc, qu, ku, vu, do, lse, delta, u,
-        dqc, dkc, dvc, dqu, dku, dvu,
-        qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, _window_or_len(window, L), scale,
-        lse.shape[1], u.shape[1],
-        HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=u.shape[-1], DT=dt,
-        PREC="ieee" if dt == tl.float32 else "tf32", INTERPRET=_interpreting(),
-        num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
-    )
-    return dqc.to(qc.dtype), dkc, dvc, dqu, dku.to(qc.dtype), dvu.to(qc.dtype)
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, u.shape[-1], cfg, dt,
+                                          "ieee" if dt == tl.float32 else "tf32"):
+        kernel[(B * H * nc,)](
+            qc, kc, vc, qu, ku, vu, do, lse, delta, u,
+            dqc, dkc, dvc, dqu, dku, dvu,
+            qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, _window_or_len(window, L), scale,
+            lse.shape[1], u.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
+        )
+    key_grad = lambda g, f: (g[:, :L, :D] * f).view(B, H, L, D).to(qc.dtype)  # noqa: E731
+    return (dqc.to(qc.dtype), key_grad(dkc, scale), key_grad(dvc, 1.0), key_grad(dqu, scale),
+            dku.to(qc.dtype), dvu.to(qc.dtype))
 
 
 class _CastleTriton(torch.autograd.Function):
@@ -590,7 +630,7 @@ def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
     """CASTLE (window=None) or CASTLE-SWL (window=W) attention; inputs (B, H, L, D) -> (B, H, L, D)."""
     _check(qc, kc, vc, qu, ku, vu, window)
     assert impl in _IMPLS, f"impl must be one of {_IMPLS}"
-    scale = qc.shape[-1] ** -0.5 if scale is None else scale
+    scale = qc.shape[-1] ** -0.5 if scale is None else float(scale)
     if qc.shape[-2] == 0:
         return torch.empty_like(qc)
     if impl == "auto":
@@ -707,7 +747,7 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=N
     which then is U^L: Algorithm 4 for free. max_len: positions (prompt included) to preallocate the
     cache for; decoding past it still works (the buffers double)."""
     _check(qc, kc, vc, qu, ku, vu, window)
-    scale = qc.shape[-1] ** -0.5 if scale is None else scale
+    scale = qc.shape[-1] ** -0.5 if scale is None else float(scale)
     B, H, L, D = qc.shape
     cdt = _compute_dtype(qc.dtype)
     if L == 0:

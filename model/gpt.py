@@ -378,8 +378,15 @@ class SoftmaxAttention(nn.Module):
         return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
 
     def flops_per_token(self, seq_len):
-        # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key); causal not halved
-        return 12 * self.n_head * self.head_dim * seq_len
+        # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key) a query sees
+        return 12 * self.n_head * self.head_dim * keys_per_query(seq_len)
+
+
+def keys_per_query(seq_len, window=None):
+    """Mean number of keys a query attends to in a causal sequence of seq_len, (T + 1) / 2, or with
+    only the last `window` keys counted: the honest causal count for MFU (not the full T)."""
+    T, W = seq_len, seq_len if window is None else min(window, seq_len)
+    return (W * (W + 1) / 2 + (T - W) * W) / T
 
 
 def attend_sharded(q, k, v, c, cache):
@@ -477,11 +484,10 @@ class CastleAttention(nn.Module):
         return CastleLayerCache(max_len)
 
     def flops_per_token(self, seq_len):
-        # castle.md §3.7: ~4x FlashAttention per block pair; SWL tiles outside the window ~1.5x
-        if self.window is None:
-            return 4 * 12 * self.n_head * self.head_dim * seq_len
-        inside = min(self.window, seq_len)
-        return 12 * self.n_head * self.head_dim * (4 * inside + 1.5 * (seq_len - inside))
+        # castle.md §3.7: ~4x FlashAttention's FLOPs per (query, key) pair inside the lookahead window,
+        # ~1.5x outside it (SWL)
+        inside = keys_per_query(seq_len, self.window)
+        return 12 * self.n_head * self.head_dim * (4 * inside + 1.5 * (keys_per_query(seq_len) - inside))
 
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))

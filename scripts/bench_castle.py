@@ -9,7 +9,8 @@ and SDPA causal attention at the same shape. Times are medians of CUDA-event tim
 ~16 B^2 d FLOPs per block pair forward, i.e. 8 L^2 d per head over the causal half (4x FlashAttention's
 2 L^2 d); the backward, counted from Algorithm 3 (spec §3.5: 24 block matmuls per pair), 24 L^2 d.
 For SWL the same dense count is used (an "effective" rate). --sweep times the Triton kernels over tile
-configs instead.
+configs instead: every backward variant (CASTLE_BWD_VARIANT) x backward tile, and with --sweep-fwd the
+forward tiles; the default variant and tiles are those of kernels/castle.py.
 
 --decode times one decode step per token instead (runs on CPU too; see decode_bench):
 
@@ -103,19 +104,22 @@ def table(header, rows):
 
 FWD_TILES = {64: [(64, 32, 4), (64, 16, 4), (64, 64, 4), (128, 64, 8), (64, 32, 8)],
              128: [(64, 32, 8), (64, 16, 4), (32, 16, 4), (64, 32, 4), (128, 64, 8)]}   # (m, n, warps)
-BWD_TILES = {64: [(64, 32, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 64, 4, 1), (64, 16, 4, 1),
-                  (64, 32, 4, 2), (128, 64, 8, 1)],
-             128: [(64, 16, 4, 1), (16, 16, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 32, 8, 1),
-                   (16, 16, 2, 1)]}                                                    # (m, n, warps, stages)
+BWD_TILES = {64: [(64, 32, 4, 1), (32, 32, 4, 1), (32, 16, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1),
+                  (64, 16, 4, 1)],
+             128: [(64, 32, 4, 1), (16, 16, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1),
+                   (64, 32, 8, 1), (64, 64, 8, 1)]}                                    # (m, n, warps, stages)
 
 
-def sweep_configs(D, dtype):
+def sweep_configs(D, dtype, variants, fwd_tiles):
+    """Backward tiles x backward variants (kernels/castle.py BWD_VARIANTS) with the default forward;
+    with fwd_tiles also the forward tiles with the default backward."""
     default = castle._default_config(max(16, triton.next_power_of_2(D)), dtype)
     d = 64 if D <= 64 else 128
-    cfgs = [TritonConfig(m, n, w, min(m, default.m_bwd), min(n, default.n_bwd), default.warps_bwd, 1)
-            for m, n, w in FWD_TILES[d]]
-    cfgs += [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st)
-             for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]
+    cfgs = [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st, v)
+            for v in variants for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]
+    if fwd_tiles:
+        cfgs += [TritonConfig(m, n, w, min(m, default.m_bwd), min(n, default.n_bwd), default.warps_bwd, 1,
+                              default.bwd_variant) for m, n, w in FWD_TILES[d]]
     return list(dict.fromkeys(cfgs))
 
 
@@ -131,9 +135,10 @@ def _compile(cfg, H, L, D, dtype, window):
 
 
 def sweep(args, xs, scale):
-    """Time the Triton kernels over tile configs: forward tiles with the default backward, then backward
-    tiles with the default forward. Configs compile in parallel processes first."""
-    cfgs = sweep_configs(args.D, xs[0].dtype)
+    """Time the Triton kernels over backward variants x tile configs (and, with --sweep-fwd, forward
+    tiles). Configs compile in parallel processes first. "bwd ms" = fwd+bwd - fwd."""
+    variants = args.variants.split(",") if args.variants else castle.BWD_VARIANTS
+    cfgs = sweep_configs(args.D, xs[0].dtype, variants, args.sweep_fwd)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         list(pool.map(_compile, cfgs, *zip(*[(args.H, args.L, args.D, xs[0].dtype, args.window)] * len(cfgs))))
@@ -146,11 +151,11 @@ def sweep(args, xs, scale):
             err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
             fwd = do_bench(fn, warmup=10, rep=50, return_mode="median")
             both = do_bench(lambda: fn().backward(go), warmup=10, rep=50, grad_to_none=xs, return_mode="median")
-            rows.append((*cfg.__dict__.values(), f"{fwd:.3f}", f"{both:.3f}", f"{err:.1e}"))
+            rows.append((*cfg.__dict__.values(), f"{fwd:.3f}", f"{both:.3f}", f"{both - fwd:.3f}", f"{err:.1e}"))
         except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is just reported)
-            rows.append((*cfg.__dict__.values(), "error", repr(e)[:60], ""))
+            rows.append((*cfg.__dict__.values(), "error", repr(e)[:60], "", ""))
         print(rows[-1], flush=True)
-    table([*TritonConfig.__dataclass_fields__, "fwd ms", "fwd+bwd ms", "rel err"], rows)
+    table([*TritonConfig.__dataclass_fields__, "fwd ms", "fwd+bwd ms", "bwd ms", "rel err"], rows)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -252,7 +257,9 @@ def main():
     p.add_argument("--window", type=lambda s: None if s.lower() == "none" else int(s), default=None)
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default bf16 (--decode on CPU: fp32)")
     p.add_argument("--skip", default="", help="comma list of rows to skip: torch,blockwise,peer,sdpa")
-    p.add_argument("--sweep", action="store_true", help="time Triton tile configs instead")
+    p.add_argument("--sweep", action="store_true", help="time Triton backward variants x tiles instead")
+    p.add_argument("--variants", default="", help="--sweep: comma list of backward variants (default all)")
+    p.add_argument("--sweep-fwd", action="store_true", help="--sweep: forward tiles too")
     p.add_argument("--jobs", type=int, default=8, help="parallel compiles for --sweep")
     p.add_argument("--decode", action="store_true", help="time one decode step per token instead")
     p.add_argument("--contexts", default="4096,32768", help="--decode: comma list of context lengths")

@@ -41,6 +41,7 @@ def model_config(name, seq_len, overrides=()):
 
 
 def bench(name, args, device):
+    torch._dynamo.reset()                 # a fresh compile per model (else the recompile limit hits)
     config, T = model_config(name, args.seq_len, args.override)
     batch = max(1, args.batch_tokens // T)
     torch.manual_seed(0)
@@ -97,16 +98,16 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    rows = [bench(name, args, device) for name in args.models]
-    print(f"\ncommand: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
+    print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
+    print("|---|---|---|---|---|---|", flush=True)
+    for name in args.models:             # each row as soon as it is measured
+        r = bench(name, args, device)
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         mem = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
-        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} x {r['batch']} | {r['tok_s']:,.0f} | {mfu} | {mem} |")
-
+        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} x {r['batch']} | {r['tok_s']:,.0f} | {mfu} "
+              f"| {mem} |", flush=True)
 
 if __name__ == "__main__":
     main()

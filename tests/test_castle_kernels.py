@@ -3,10 +3,12 @@
 Oracle chain: the recurrent definition (§1, explicit U^t for every t, fp64) checks the parallel form
 (§2); autograd of the parallel form (fp64) is the gradient oracle for the blockwise PyTorch path and the
 Triton kernels. On CPU the Triton kernels run under TRITON_INTERPRET=1 on tiny shapes with 16/32-row
-tiles, so several blocks, ragged tails and window edges are all exercised; the interpreter computes the
-tiles in fp32 (it cannot multiply bf16), so the bf16 rounding of the kernels is checked by the
-gpu-marked tests at real shapes, against what plain bf16 matmuls achieve on the same inputs.
+tiles, so several blocks, ragged tails and window edges are all exercised, and once at L = 173 with
+the tiles a GPU uses by default; the interpreter computes the tiles in fp32 (it cannot multiply
+bf16), so the bf16 rounding of the kernels is checked by the gpu-marked tests at real shapes, against
+what plain bf16 matmuls achieve on the same inputs.
 """
+import dataclasses
 import math
 
 import pytest
@@ -224,10 +226,13 @@ def _poisoned_empty(monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
 @pytest.mark.parametrize("L,D,window,cfg,dtype", TRITON_CASES)
-def test_triton_matches_reference(L, D, window, cfg, dtype, monkeypatch):
-    """Invariants 5 and 6 for the kernels: forward and all six gradients vs fp64 autograd."""
+def test_triton_matches_reference(L, D, window, cfg, dtype, variant, monkeypatch):
+    """Invariants 5 and 6 for the kernels: forward and all six gradients vs fp64 autograd, for every
+    backward variant (CASTLE_BWD_VARIANT)."""
     _poisoned_empty(monkeypatch)
+    cfg = dataclasses.replace(cfg, bwd_variant=variant)
     xs = inputs(2, 3, L, D, dtype)
     go = torch.randn(2, 3, L, D).to(dtype)
     ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
@@ -235,6 +240,42 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, monkeypatch):
     assert out.dtype == dtype and all(t.dtype == dtype for t in g)
     assert torch.isfinite(out).all() and all(torch.isfinite(t).all() for t in g)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert rel(out, ref) < tol
+    errs = [rel(a, b) for a, b in zip(g, gref)]
+    assert max(errs) < 2 * tol, errs
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
+def test_triton_backward_twice(variant):
+    """retain_graph: a second backward gives the same gradients (no variant consumes the saved U)."""
+    xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
+    cfg = dataclasses.replace(TILE32_16, bwd_variant=variant)
+    out = castle._attn_triton(*xs, 3, 32 ** -0.5, cfg)
+    go = torch.randn_like(out)
+    first = torch.autograd.grad(out, xs, go, retain_graph=True)
+    second = torch.autograd.grad(out, xs, go)
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(first, second))
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("window", [None, 37])
+def test_triton_gpu_default_tiles(D, window, variant, monkeypatch):
+    """The tiles a GPU runs by default (_gpu_config, bf16) on a shape crossing several blocks of each
+    (L = 173: ragged tails; W = 37 ends inside blocks): forward and all six gradients vs fp64 autograd. On CPU this checks the schedule at those tiles (the gpu tests check
+    the bf16 numerics)."""
+    _poisoned_empty(monkeypatch)
+    L, dtype = 173, torch.bfloat16
+    cfg = castle._gpu_config(D, dtype, variant)
+    xs = inputs(1, 2, L, D, dtype)
+    go = torch.randn(1, 2, L, D).to(dtype)
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
+    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, window, D ** -0.5, cfg), xs, go)
+    assert out.dtype == dtype and all(t.dtype == dtype for t in g)
+    # The interpreter computes in fp32: only the bf16 rounding of the results remains (~2e-3).
+    tol = 4e-3 if castle._interpreting() else 1e-2
     assert rel(out, ref) < tol
     errs = [rel(a, b) for a, b in zip(g, gref)]
     assert max(errs) < 2 * tol, errs

@@ -180,10 +180,24 @@ def test_unknown_config_key_is_named():
 
 def test_flops_per_token_counts_weights_and_attention():
     model = GPT(tiny())
-    assert model.flops_per_token(32) == 6 * model.num_params() + 2 * 12 * 4 * 8 * 32
+    assert model.flops_per_token(32) == 6 * model.num_params() + 2 * 12 * 4 * 8 * 33 / 2
     untied = GPT(tiny(tie_embeddings=False, pos="learned"))    # lookups cost no FLOPs
     lookups = untied.wte.weight.numel() + untied.wpe.weight.numel()
-    assert untied.flops_per_token(32) == 6 * (untied.num_params() - lookups) + 2 * 12 * 4 * 8 * 32
+    assert untied.flops_per_token(32) == 6 * (untied.num_params() - lookups) + 2 * 12 * 4 * 8 * 33 / 2
+
+
+@pytest.mark.parametrize("T,W", [(1, None), (7, None), (7, 3), (7, 7), (7, 100), (2048, 128)])
+def test_keys_per_query_is_the_causal_count(T, W):
+    """MFU counts the keys a causal query really sees (within the window), not T per query."""
+    from model.gpt import keys_per_query
+    brute = sum(min(i + 1, W or T) for i in range(T)) / T
+    assert keys_per_query(T, W) == pytest.approx(brute)
+
+
+def test_castle_flops_swl_window_past_the_context_is_castle():
+    castle = GPT(tiny(attention="castle")).flops_per_token(40)
+    assert GPT(tiny(attention="castle_swl", castle_window=40)).flops_per_token(40) == pytest.approx(castle)
+    assert GPT(tiny(attention="castle_swl", castle_window=4)).flops_per_token(40) < castle
 
 
 @pytest.mark.parametrize("name", ["fox_pro_per_head_qk_norm", "gpt2_style"])
