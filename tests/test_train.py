@@ -146,6 +146,17 @@ def test_training_benchmark_script_runs():
     assert len(rows) == 2 and "160.7M" in rows[1]
 
 
+def test_scaling_benchmark_script_runs(tmp_path):
+    """scripts/bench_scaling.py under gloo: 1 and 2 ranks at one global batch follow the same curve."""
+    args = ["--gpus", "1", "2", "--parallel", "ddp", "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--"]
+    proc = run("scripts/bench_scaling.py", args + [a for a in TINY if not a.startswith("train.log")])
+    rows = {line.split("|")[1].strip(): line.split("|") for line in proc.stdout.splitlines()
+            if line.startswith("| 1 GPU") or line.startswith("| 2 GPUs")}
+    assert set(rows) == {"1 GPU", "2 GPUs DDP"}
+    assert float(rows["2 GPUs DDP"][6]) < 1e-3          # max loss difference from the 1-GPU curve
+    assert (tmp_path / "loss.png").stat().st_size > 0
+
+
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     args = [a for a in TINY if not a.startswith("WANDB_MODE")]
