@@ -289,3 +289,26 @@ def test_castle_parameter_layout():
     config = tiny(attention="castle", n_embd=64, n_head=3, head_dim=16)
     attn = GPT(config).blocks[0].attn
     assert sum(p.numel() for p in attn.parameters()) == 7 * 3 * 16 * 64
+
+
+def test_triton_training_kernels_take_float_scales_as_constexpr():
+    """torch.compile (Inductor) launches user Triton kernels with Python floats typed fp64, which
+    promoted the logits to fp64 and broke the compiled CASTLE and FoX models on the GPU; the kernels
+    that run inside a compiled model must take their float scales as constexpr."""
+    import inspect
+    pytest.importorskip("triton")
+    from kernels import castle, forgetting
+
+    def python_function(kernel):           # through the autotuner / JIT / interpreter wrappers
+        while not inspect.isfunction(kernel):
+            kernel = kernel.fn
+        return kernel
+
+    kernels = [castle._castle_fwd_kernel, castle._castle_bwd_kernel, forgetting._fwd_kernel, forgetting._bwd_kernel]
+    for kernel in kernels:
+        params = inspect.signature(python_function(kernel)).parameters
+        scales = [p for name, p in params.items() if name.startswith("scale")]
+        assert scales, kernel
+        for p in scales:                    # the annotation is a string under `from __future__ import annotations`
+            annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
+            assert annotation.endswith("constexpr"), (python_function(kernel).__name__, p.name)
