@@ -142,20 +142,25 @@ def sweep(args, xs, scale):
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
         list(pool.map(_compile, cfgs, *zip(*[(args.H, args.L, args.D, xs[0].dtype, args.window)] * len(cfgs))))
-    ref = castle_attn(*xs, window=args.window)
-    go = torch.randn_like(ref)
+    # every config's output and six gradients against the fp32 blockwise torch path (O(L d) memory)
+    go = torch.randn_like(xs[0])
+    xs32 = [x.detach().float().requires_grad_() for x in xs]
+    ref = castle_attn(*xs32, window=args.window, impl="blockwise")
+    ref = [ref.detach(), *torch.autograd.grad(ref, xs32, go.float())]
     rows = []
     for cfg in cfgs:
         fn = lambda: castle._attn_triton(*xs, args.window, scale, cfg)  # noqa: E731
         try:
-            err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
+            out = fn()
+            got = [out, *torch.autograd.grad(out, xs, go)]
+            err = max(((a.float() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
             fwd = do_bench(fn, warmup=10, rep=50, return_mode="median")
             both = do_bench(lambda: fn().backward(go), warmup=10, rep=50, grad_to_none=xs, return_mode="median")
             rows.append((*cfg.__dict__.values(), f"{fwd:.3f}", f"{both:.3f}", f"{both - fwd:.3f}", f"{err:.1e}"))
         except Exception as e:  # noqa: BLE001 (a config that does not compile or fit is just reported)
             rows.append((*cfg.__dict__.values(), "error", repr(e)[:60], "", ""))
         print(rows[-1], flush=True)
-    table([*TritonConfig.__dataclass_fields__, "fwd ms", "fwd+bwd ms", "bwd ms", "rel err"], rows)
+    table([*TritonConfig.__dataclass_fields__, "fwd ms", "fwd+bwd ms", "bwd ms", "max rel err (out, grads)"], rows)
 
 
 # ----------------------------------------------------------------------------------------------------
