@@ -3,7 +3,7 @@
 # logs land in $OUT (or ./gpu_logs).
 #   scripts/gpu_session.sh tests      # every GPU-marked test (kernels at real shapes, bf16, compile)
 #   scripts/gpu_session.sh train      # whole-model throughput / MFU / memory table of every variant
-#   scripts/gpu_session.sh kernels    # FoX vs SDPA's default backend, CASTLE D=128 sweep, CASTLE decode latency
+#   scripts/gpu_session.sh kernels    # FoX vs SDPA (FlashAttention-2 and cuDNN), CASTLE D=128 sweep, CASTLE decode latency
 #   scripts/gpu_session.sh multi      # 2-4 GPUs: tree attention, sharded decoding, DDP/FSDP scaling, 2-GPU tests
 #   scripts/gpu_session.sh compare    # the small-scale comparison (scripts/compare_small.sh), one run per GPU
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh, .gpu_data/text with
