@@ -239,16 +239,13 @@ class _CastleBlockwise(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------
 # impl="triton": kernels (see the module docstring for the schedule)
 
-# Backward variants. A step of the backward keeps many tiles live, and next to them five (n x d) fp32
-# states per key block (U, dU, dKc, dVc, dQu); every tile size spills registers in "fused" (see
-# scripts/castle_regs.py, which prints the counts).
-#   "fused"   one launch, all five states in registers.
-#   "split"   two launches of the same kernel, each recomputing the scores: one for the causal-score
-#             gradients (carries U, dKc, dVc), one for the sigma paths (carries U, dU, dQu). ~1.4x the
-#             matmuls, but a step needs about half the registers.
+# Backward schedules (module docstring): "split" (two launches, ~1.4x the matmuls, about half the
+# registers per step) or "fused" (one launch).
 BWD_VARIANTS = ("fused", "split")
 BWD_VARIANT = os.environ.get("CASTLE_BWD_VARIANT", "split")
-assert BWD_VARIANT in BWD_VARIANTS, f"CASTLE_BWD_VARIANT must be one of {BWD_VARIANTS}"
+if BWD_VARIANT not in BWD_VARIANTS:
+    raise ValueError(f"CASTLE_BWD_VARIANT={BWD_VARIANT!r} is unknown; set it to one of {BWD_VARIANTS} "
+                     "or unset it (default split)")
 
 
 @dataclass(frozen=True)
@@ -593,7 +590,8 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
             qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, _window_or_len(window, L), scale,
             lse.shape[1], u.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
-    key_grad = lambda g, f: (g[:, :L, :D] * f).view(B, H, L, D).to(qc.dtype)  # noqa: E731
+    def key_grad(g, factor):  # (BH, rows, block_d) fp32, unscaled -> (B, H, L, D) in the input dtype
+        return (g[:, :L, :D] * factor).view(B, H, L, D).to(qc.dtype)
     return (dqc.to(qc.dtype), key_grad(dkc, scale), key_grad(dvc, 1.0), key_grad(dqu, scale),
             dku.to(qc.dtype), dvu.to(qc.dtype))
 

@@ -18,12 +18,8 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def override(extra, key, default):
-    """The value of a `key=value` train.py override in `extra`, else `default`."""
-    values = [a.split("=", 1)[1] for a in extra if a.startswith(key + "=")]
-    return values[-1] if values else default
+sys.path.insert(0, ROOT)
+from scripts.bench_train import compose_config  # noqa: E402
 
 
 def run_train(n, parallel, args, extra, out_dir):
@@ -65,9 +61,8 @@ def main():
     args, extra = p.parse_known_args()
     extra = [a for a in extra if a != "--"]
     if args.global_batch_tokens is None:
-        micro = int(override(extra, "train.micro_batch_size", 16))
-        seq = int(override(extra, "train.seq_len", 2048 if any(a.startswith("experiment=") for a in extra) else 128))
-        args.global_batch_tokens = max(args.gpus) * micro * seq
+        train = compose_config(extra).train
+        args.global_batch_tokens = max(args.gpus) * train.micro_batch_size * train.seq_len
     if args.skip >= args.steps:
         p.error(f"--skip {args.skip} leaves no timed steps out of --steps {args.steps}")
 

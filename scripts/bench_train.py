@@ -9,7 +9,8 @@
 Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
 overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
 experiment's context (or --seq-len). Random tokens: throughput does not depend on the data. MFU uses
-the model's own FLOP count (6N + each attention's FLOPs, castle.md / fox.md counts).
+the model's own FLOP count (`GPT.flops_per_token`: 6N + each attention's FLOPs for the keys a causal
+query really sees).
 """
 import argparse
 import os
@@ -29,11 +30,15 @@ DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "b
                   "transformer_pro_125M", "fox_pro_125M"]
 
 
+def compose_config(overrides):
+    """The resolved train.py config (configs/config.yaml) under these Hydra overrides."""
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def model_config(name, seq_len, overrides=()):
     """(GPTConfig, context length) of an experiment config, or of the default tiny model."""
-    overrides = ([] if name == "tiny" else [f"experiment={name}"]) + list(overrides)
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
+    cfg = compose_config(([] if name == "tiny" else [f"experiment={name}"]) + list(overrides))
     if seq_len:
         cfg.train.seq_len = seq_len
     config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
@@ -108,6 +113,7 @@ def main():
         mem = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
         print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} x {r['batch']} | {r['tok_s']:,.0f} | {mfu} "
               f"| {mem} |", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -264,8 +264,8 @@ def test_triton_backward_twice(variant):
 @pytest.mark.parametrize("window", [None, 37])
 def test_triton_gpu_default_tiles(D, window, variant, monkeypatch):
     """The tiles a GPU runs by default (_gpu_config, bf16) on a shape crossing several blocks of each
-    (L = 173: ragged tails; W = 37 ends inside blocks): forward and all six gradients vs fp64 autograd. On CPU this checks the schedule at those tiles (the gpu tests check
-    the bf16 numerics)."""
+    (L = 173: ragged tails; W = 37 ends inside blocks): forward and all six gradients vs fp64
+    autograd. On CPU this checks the schedule at those tiles (the gpu tests check the bf16 numerics)."""
     _poisoned_empty(monkeypatch)
     L, dtype = 173, torch.bfloat16
     cfg = castle._gpu_config(D, dtype, variant)
