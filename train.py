@@ -32,7 +32,7 @@ from data.loader import build_loader
 from data.tokenizer import tokenizer_for
 from evaluation.heldout import mean_loss
 from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
-                       load_checkpoint)
+                       load_checkpoint, prefer_sdpa_backend)
 from scripts.plot_runs import plot_runs
 
 
@@ -454,7 +454,8 @@ def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="config")
 def main(cfg):
-    train(cfg)
+    with prefer_sdpa_backend(cfg.train.sdpa_backend):
+        train(cfg)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ With a process group of p > 1 ranks, `new_cache` splits every layer's cache alon
 axis over the ranks (tree attention, kernels/tree.py): every rank runs the same tokens, stores the
 positions it owns and merges its partial attention with the others' exactly (`GPT.new_cache`).
 """
+import contextlib
 import glob
 import math
 import os
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.castle import castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
@@ -380,6 +382,23 @@ class SoftmaxAttention(nn.Module):
     def flops_per_token(self, seq_len):
         # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key) a query sees
         return 12 * self.n_head * self.head_dim * keys_per_query(seq_len)
+
+
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def prefer_sdpa_backend(name):
+    """Context in which F.scaled_dot_product_attention tries backend `name` first (the others stay
+    available as fallbacks); "auto" keeps PyTorch's order, which tries FlashAttention-2 first. On
+    Hopper cuDNN's attention is faster (README, Measured results). torch.compile bakes in the backend
+    chosen while it traces, so enter this before the first compiled call."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"sdpa_backend={name!r} is unknown; choose auto or one of {sorted(SDPA_BACKENDS)}")
+    order = [SDPA_BACKENDS[name]] + [b for b in SDPA_BACKENDS.values() if b != SDPA_BACKENDS[name]]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def keys_per_query(seq_len, window=None):

@@ -4,6 +4,7 @@
     python scripts/bench_train.py                                   # the issue's table on one GPU
     python scripts/bench_train.py --models baseline_paper_S castle_paper_S --steps 20
     python scripts/bench_train.py --models baseline_paper_S --override model.mlp_multiple_of=64
+    python scripts/bench_train.py --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
     python scripts/bench_train.py --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
 
 Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
@@ -23,7 +24,7 @@ from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from model.gpt import GPT, GPTConfig  # noqa: E402
+from model.gpt import GPT, GPTConfig, prefer_sdpa_backend  # noqa: E402
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
                   "castle_paper_M", "castle_swl_paper_M", "transformer_llama_125M", "fox_llama_125M",
@@ -76,6 +77,8 @@ def bench(name, args, device):
         loss = step()
     sync()
     dt = (time.perf_counter() - t0) / args.steps
+    if args.profile:
+        print_profile(name, step, args.profile, device)
     tokens = batch * T
     row = {"model": name, "batch": batch, "params_M": model.num_params() / 1e6, "seq_len": T, "tok_s": tokens / dt,
            "loss": loss.item()}
@@ -86,6 +89,22 @@ def bench(name, args, device):
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def print_profile(name, step, rows, device):
+    """Where one step's time goes: the top kernels (GPU; ops on CPU) over two profiled steps, and
+    the graph breaks torch.compile took (each one splits the model into separately compiled pieces)."""
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        for _ in range(2):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    print(f"\n== {name}: graph breaks {sum(counters['graph_break'].values())}, top kernels of 2 steps")
+    print(prof.key_averages().table(sort_by="device_time_total" if cuda else "self_cpu_time_total",
+                                    row_limit=rows, max_name_column_width=70), flush=True)
 
 
 def main():
@@ -99,6 +118,8 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--peak-flops", type=float, default=989e12)
+    p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS", help="print the top ROWS kernels of each model (CUDA)")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
@@ -108,7 +129,8 @@ def main():
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |")
     print("|---|---|---|---|---|---|", flush=True)
     for name in args.models:             # each row as soon as it is measured
-        r = bench(name, args, device)
+        with prefer_sdpa_backend(args.sdpa_backend):
+            r = bench(name, args, device)
         mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
         mem = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
         print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} x {r['batch']} | {r['tok_s']:,.0f} | {mfu} "

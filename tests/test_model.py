@@ -3,8 +3,10 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from model.gpt import ATTENTIONS, GPT, GPTConfig, mlp_hidden_size, sample_token
+from model.gpt import (ATTENTIONS, GPT, SDPA_BACKENDS, GPTConfig, mlp_hidden_size, prefer_sdpa_backend,
+                       sample_token)
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
@@ -171,6 +173,19 @@ def test_sample_token_filters():
 def test_bad_config_values_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         tiny(**bad)
+
+
+@pytest.mark.parametrize("name", ["auto", *SDPA_BACKENDS])
+def test_sdpa_backend_preference_keeps_the_result(name):
+    q, k, v = torch.randn(3, 2, 4, 37, 16).unbind(0)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with prefer_sdpa_backend(name):   # the others stay enabled as fallbacks, so CPU still runs
+        torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
+
+
+def test_unknown_sdpa_backend_is_named():
+    with pytest.raises(ValueError, match="sdpa_backend='fast'.*cudnn"):
+        prefer_sdpa_backend("fast")
 
 
 def test_unknown_config_key_is_named():

@@ -141,9 +141,11 @@ def test_nan_loss_stops_and_names_the_step(tmp_path):
 
 def test_training_benchmark_script_runs():
     proc = run("scripts/bench_train.py", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
-                                          "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile"])
+                                          "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile",
+                                          "--profile", "3", "--sdpa-backend", "math"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny") or line.startswith("| castle")]
     assert len(rows) == 2 and "160.7M" in rows[1]
+    assert proc.stdout.count("graph breaks 0, top kernels") == 2 and "aten::mm" in proc.stdout
 
 
 def test_scaling_benchmark_script_runs(tmp_path):
