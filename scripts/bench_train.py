@@ -53,7 +53,7 @@ def bench(name, args, device):
     torch.manual_seed(0)
     model = GPT(config).to(device)
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
-    run = torch.compile(model) if args.compile else model
+    run = torch.compile(model, mode=args.compile_mode) if args.compile else model
     idx = torch.randint(0, config.vocab_size, (batch, T + 1), device=device)
     x, y = idx[:, :-1], idx[:, 1:]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
@@ -117,6 +117,7 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--peak-flops", type=float, default=989e12)
     p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS", help="print the top ROWS kernels of each model (CUDA)")
