@@ -27,11 +27,9 @@ Kernel notes
 - Forward: the per-row term c_i cancels in the softmax, so the logits are only
   scale*q.k - c_j (one FMA, as in FlashAttention); c_i is added back into the stored
   logsumexp so the backward sees the true one. Base-2 exponentials with log2(e) folded in.
-- Backward: one launch, FlashAttention-2's schedule: program t holds key tile t, walks the query
-  tiles from the diagonal on and keeps dK, dV and -colsum(dS) in registers; each step's dS K
-  (its share of dQ) and rowsum(dS) are added to fp32 buffers with atomics. Five tile matmuls
-  per step, where giving dQ its own pass over the keys takes seven. The atomics make dQ and
-  d log f not bitwise deterministic (as FlashAttention's dQ). dc = rowsum - colsum,
+- Backward: one fused launch; program t computes dK/dV (and -colsum(dS)) for key tile t and
+  dQ (and rowsum(dS)) for query tile t. The causal work of the two halves sums to a constant,
+  so programs are balanced, and every output has one owner: no atomics. dc = rowsum - colsum,
   d log f = reverse cumsum of dc (fox.md §1.4).
 - Any L: inputs are zero-padded at the end to a multiple of the largest tile. Padded positions
   come after every real one, so causality keeps them out of the real outputs and gradients.
@@ -48,7 +46,7 @@ import triton.language as tl
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = tl.constexpr(1.4426950408889634)  # kernels use exp2/log2: logits are scaled by log2(e)
-_MAX_BLOCK = 32 if _INTERPRET else 128  # every tile size divides this; L is padded to it
+_MAX_BLOCK = 16 if _INTERPRET else 128  # every tile size divides this; L is padded to it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,12 +183,10 @@ def _bwd_delta_kernel(O, DO, DELTA, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _bwd_inner(dk, dv, dck, k, v, ck, Q, DO, C, LSE2, DELTA, DQ, DCQ, c_ref, stride_ql, offs_n,
-               lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               MASK: tl.constexpr, DOT_PREC: tl.constexpr):
-    # one key tile against query tiles [lo, hi), on transposed tiles (keys x queries): dK, dV and
-    # the column sums stay in registers; each query tile's share of dQ and of the row sums of dS
-    # is added to fp32 buffers
+def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, Q, DO, C, LSE2, DELTA, c_ref, stride_ql, offs_n,
+                    lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                    MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    # one key tile against query tiles [lo, hi); works on transposed tiles (keys x queries)
     offs_d = tl.arange(0, HEAD_DIM)
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
@@ -206,24 +202,42 @@ def _bwd_inner(dk, dv, dck, k, v, ck, Q, DO, C, LSE2, DELTA, DQ, DCQ, c_ref, str
         dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
         dst = pt * (dpt - tl.load(DELTA + rows)[None, :])
         dck -= tl.sum(dst, 1)
-        dst_in = dst.to(qt.dtype)
-        dk = tl.dot(dst_in, tl.trans(qt), dk, input_precision=DOT_PREC)
-        dq = tl.dot(tl.trans(dst_in), k, input_precision=DOT_PREC)
-        tl.atomic_add(DQ + rows[:, None] * HEAD_DIM + offs_d[None, :], dq, sem="relaxed")
-        tl.atomic_add(DCQ + rows, tl.sum(dst, 0), sem="relaxed")
+        dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
     return dk, dv, dck
+
+
+@triton.jit
+def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl, stride_vl, offs_m,
+                  lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+    # one query tile against key tiles [lo, hi)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + tl.arange(0, BLOCK_N)
+        kt = tl.load(K + cols[None, :] * stride_kl + offs_d[:, None])
+        vt = tl.load(V + cols[None, :] * stride_vl + offs_d[:, None])
+        ck = (tl.load(C + cols) - c_ref).to(tl.float32) * _LOG2E
+        s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 + row_bias[:, None] - ck[None, :]
+        if MASK:
+            s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        p = tl.math.exp2(s)
+        dp = tl.dot(do, vt, input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dcq += tl.sum(ds, 1)
+        dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
+    return dq, dcq
 
 
 @triton.jit
 def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.constexpr, scale2: tl.constexpr,
                 stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                 stride_vb, stride_vh, stride_vl, H, L,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_LARGE: tl.constexpr,
                 DOT_PREC: tl.constexpr):
-    # grid (B*H, L/BLOCK_N): program t owns key tile t (dK, dV, column sums) and walks the query
-    # tiles from the diagonal to the end, BLOCK_M rows at a time; tile 0, the longest, starts first
+    # grid (B*H, L/BLOCK_LARGE): program t owns key tile t (dK, dV, colsums) and query tile t
+    # (dQ, rowsums); both tiles are BLOCK_LARGE long and loop over BLOCK_SMALL sub-tiles
     bh = tl.program_id(0)
-    start = tl.program_id(1) * BLOCK_N
+    start = tl.program_id(1) * BLOCK_LARGE
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
@@ -240,26 +254,43 @@ def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.con
     DK += offset * HEAD_DIM
     DV += offset * HEAD_DIM
 
-    offs = start + tl.arange(0, BLOCK_N)
+    offs = start + tl.arange(0, BLOCK_LARGE)
     offs_d = tl.arange(0, HEAD_DIM)
     c_ref = tl.load(C + start)
     c_tile = (tl.load(C + offs) - c_ref).to(tl.float32) * _LOG2E
+
+    # dK, dV for keys `offs`: queries from the diagonal tile (masked) to the end
     k = tl.load(K + offs[:, None] * stride_kl + offs_d[None, :])
     v = tl.load(V + offs[:, None] * stride_vl + offs_d[None, :])
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], tl.float32)
-    dck = tl.zeros([BLOCK_N], tl.float32)
-    # queries of the diagonal tile (masked), then every later one
-    dk, dv, dck = _bwd_inner(dk, dv, dck, k, v, c_tile, Q, DO, C, LSE2, DELTA, DQ, DCQ, c_ref,
-                             stride_ql, offs, start, start + BLOCK_N, scale2,
-                             HEAD_DIM, BLOCK_M, True, DOT_PREC)
-    dk, dv, dck = _bwd_inner(dk, dv, dck, k, v, c_tile, Q, DO, C, LSE2, DELTA, DQ, DCQ, c_ref,
-                             stride_ql, offs, start + BLOCK_N, L, scale2,
-                             HEAD_DIM, BLOCK_M, False, DOT_PREC)
+    dk = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
+    dv = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
+    dck = tl.zeros([BLOCK_LARGE], tl.float32)
+    dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, C, LSE2, DELTA, c_ref,
+                                  stride_ql, offs, start, start + BLOCK_LARGE, scale2,
+                                  HEAD_DIM, BLOCK_SMALL, True, DOT_PREC)
+    dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, C, LSE2, DELTA, c_ref,
+                                  stride_ql, offs, start + BLOCK_LARGE, L, scale2,
+                                  HEAD_DIM, BLOCK_SMALL, False, DOT_PREC)
     out = offs[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty))
     tl.store(DV + out, dv.to(DV.dtype.element_ty))
     tl.store(DCK + offs, dck)
+
+    # dQ for queries `offs`: keys from the diagonal tile (masked) back to the start
+    q = tl.load(Q + offs[:, None] * stride_ql + offs_d[None, :])
+    do = tl.load(DO + out)
+    row_bias = c_tile - tl.load(LSE2 + offs)
+    delta = tl.load(DELTA + offs)
+    dq = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
+    dcq = tl.zeros([BLOCK_LARGE], tl.float32)
+    dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl,
+                            stride_vl, offs, start, start + BLOCK_LARGE, scale2,
+                            HEAD_DIM, BLOCK_SMALL, True, DOT_PREC)
+    dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl,
+                            stride_vl, offs, 0, start, scale2,
+                            HEAD_DIM, BLOCK_SMALL, False, DOT_PREC)
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty))
+    tl.store(DCQ + offs, dcq)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -271,8 +302,8 @@ def _cfg(num_warps, num_stages, **blocks):
 
 
 # H100, bf16, D = 64 (scripts/bench_forgetting.py --show-tuning): forward 128 x 64 with 4 warps
-# wins at every L. The backward's candidates pair a key tile (BLOCK_N) with query sub-tiles
-# (BLOCK_M); see scripts/NOTES_forgetting.md for the timings.
+# wins at every L; the backward wins with 32-query sub-tiles of 128-key tiles (4 warps, 5 stages).
+# The others stay for D = 128 (not timed yet) and other GPUs.
 _FWD_CONFIGS = [
     _cfg(4, 3, BLOCK_M=128, BLOCK_N=64),
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=64),
@@ -281,26 +312,23 @@ _FWD_CONFIGS = [
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=32),
 ]
 _BWD_CONFIGS = [
-    _cfg(4, 5, BLOCK_M=32, BLOCK_N=128),
-    _cfg(8, 3, BLOCK_M=32, BLOCK_N=128),
-    _cfg(8, 3, BLOCK_M=64, BLOCK_N=128),
-    _cfg(8, 2, BLOCK_M=128, BLOCK_N=128),
-    _cfg(4, 3, BLOCK_M=64, BLOCK_N=64),
-    _cfg(4, 4, BLOCK_M=32, BLOCK_N=64),
+    _cfg(4, 5, BLOCK_SMALL=32, BLOCK_LARGE=128),
+    _cfg(8, 3, BLOCK_SMALL=32, BLOCK_LARGE=128),
+    _cfg(8, 2, BLOCK_SMALL=64, BLOCK_LARGE=128),
+    _cfg(4, 3, BLOCK_SMALL=32, BLOCK_LARGE=64),
+    _cfg(4, 2, BLOCK_SMALL=64, BLOCK_LARGE=64),
 ]
 _KEY = ["L", "HEAD_DIM", "DOT_PREC"]
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_KEY)(_fwd_kernel)
-# the backward adds into DQ and DCQ: autotuning restores them after every trial launch
-_bwd_tuned = triton.autotune(_BWD_CONFIGS, key=_KEY, restore_value=["DQ", "DCQ"])(_bwd_kernel)
+_bwd_tuned = triton.autotune(_BWD_CONFIGS, key=_KEY)(_bwd_kernel)
 assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in _FWD_CONFIGS)
-assert all(c.kwargs["BLOCK_N"] % c.kwargs["BLOCK_M"] == 0 for c in _BWD_CONFIGS)
-# without autotuning: tiny tiles under the interpreter (two sub-tiles per tile, so the diagonal
-# tile's inner loop runs more than once); fp32, a correctness path, gets one small config (fp32
-# tiles take twice the registers and shared memory)
-_FWD_FIXED = {"interpret": dict(BLOCK_M=32, BLOCK_N=16),
+assert all(c.kwargs["BLOCK_LARGE"] % c.kwargs["BLOCK_SMALL"] == 0 for c in _BWD_CONFIGS)
+# without autotuning: tiny tiles under the interpreter; fp32, a correctness path, gets one small
+# config (fp32 tiles take twice the registers and shared memory)
+_FWD_FIXED = {"interpret": dict(BLOCK_M=16, BLOCK_N=16),
               "fp32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_BWD_FIXED = {"interpret": dict(BLOCK_M=16, BLOCK_N=32),
-              "fp32": dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=2)}
+_BWD_FIXED = {"interpret": dict(BLOCK_SMALL=16, BLOCK_LARGE=16),
+              "fp32": dict(BLOCK_SMALL=16, BLOCK_LARGE=32, num_warps=4, num_stages=2)}
 
 
 def _launch(tuned, kernel, fixed, grid_fn, *args, **kwargs):
@@ -337,17 +365,15 @@ def _triton_bwd(q, k, v, c, o, lse2, do, scale):
     B, H, L, D = q.shape
     delta = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(B * H * L // _MAX_BLOCK,)](o, do, delta, HEAD_DIM=D, BLOCK=_MAX_BLOCK)
-    dk, dv = (torch.empty(B, H, L, D, dtype=q.dtype, device=q.device) for _ in range(2))
-    dq = torch.zeros(B, H, L, D, dtype=torch.float32, device=q.device)   # fp32 sums of every key tile's share
-    dcq = torch.zeros(B, H, L, dtype=torch.float32, device=q.device)
-    dck = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    dq, dk, dv = (torch.empty(B, H, L, D, dtype=q.dtype, device=q.device) for _ in range(3))
+    dcq, dck = (torch.empty(B, H, L, dtype=torch.float32, device=q.device) for _ in range(2))
     _launch(_bwd_tuned, _bwd_kernel, _BWD_FIXED,
-            lambda meta: (B * H, L // meta["BLOCK_N"]),
+            lambda meta: (B * H, L // meta["BLOCK_LARGE"]),
             q, k, v, c, do, lse2, delta, dq, dk, dv, dcq, dck, scale,
             scale * _LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
             HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype))
-    return (dq * scale).to(q.dtype), dk, dv, dcq + dck
+    return dq, dk, dv, dcq + dck
 
 
 def _reverse_cumsum(x):
