@@ -31,8 +31,9 @@ from tqdm import tqdm
 from data.loader import build_loader
 from data.tokenizer import tokenizer_for
 from evaluation.heldout import mean_loss
+from kernels.sdpa import prefer_sdpa_backend
 from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
-                       load_checkpoint, prefer_sdpa_backend)
+                       load_checkpoint)
 from scripts.plot_runs import plot_runs
 
 

@@ -63,6 +63,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kernels.sdpa import decode_sdpa
+
 try:
     import triton
     import triton.language as tl
@@ -779,7 +781,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu):
         cache.u_buf[..., t - n: t, :].addcmul_(w, vu.to(cdt))                 # eq (13)
     cache.append(qu, kc, vc)
     s_u = scale * (qc.to(cdt) @ cache.u.mT)                                   # eq (6), (B, H, 1, t + 1)
-    out = F.scaled_dot_product_attention(qc, cache.kc, cache.vc, attn_mask=_bias(s_u, qc.dtype), scale=scale)
+    out = decode_sdpa(qc, cache.kc, cache.vc, attn_mask=_bias(s_u, qc.dtype), scale=scale)
     return out, cache                                                         # eqs (5), (7), (8)
 
 

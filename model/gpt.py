@@ -12,7 +12,6 @@ With a process group of p > 1 ranks, `new_cache` splits every layer's cache alon
 axis over the ranks (tree attention, kernels/tree.py): every rank runs the same tokens, stores the
 positions it owns and merges its partial attention with the others' exactly (`GPT.new_cache`).
 """
-import contextlib
 import glob
 import math
 import os
@@ -22,10 +21,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernels.castle import castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.sdpa import decode_sdpa
 from kernels.tree import castle_bias, castle_update, fox_bias, mask_bias, tree_decode
 
 CHECKPOINT_FORMAT = "attn-lm-checkpoint-v1"
@@ -373,8 +372,7 @@ class SoftmaxAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if fresh:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        mask = cached_causal_mask(T, k.size(2), q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        return decode_sdpa(q, k, v, attn_mask=cached_causal_mask(T, k.size(2), q.device))
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
@@ -382,23 +380,6 @@ class SoftmaxAttention(nn.Module):
     def flops_per_token(self, seq_len):
         # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key) a query sees
         return 12 * self.n_head * self.head_dim * keys_per_query(seq_len)
-
-
-SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-
-
-def prefer_sdpa_backend(name):
-    """Context in which F.scaled_dot_product_attention tries backend `name` first (the others stay
-    available as fallbacks); "auto" keeps PyTorch's order, which tries FlashAttention-2 first. On
-    Hopper cuDNN's attention is faster (README, Measured results). torch.compile bakes in the backend
-    chosen while it traces, so enter this before the first compiled call."""
-    if name == "auto":
-        return contextlib.nullcontext()
-    if name not in SDPA_BACKENDS:
-        raise ValueError(f"sdpa_backend={name!r} is unknown; choose auto or one of {sorted(SDPA_BACKENDS)}")
-    order = [SDPA_BACKENDS[name]] + [b for b in SDPA_BACKENDS.values() if b != SDPA_BACKENDS[name]]
-    return sdpa_kernel(order, set_priority=True)
 
 
 def keys_per_query(seq_len, window=None):

@@ -35,6 +35,7 @@ except ImportError:  # --decode runs without triton (CPU)
 sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 from kernels import castle  # noqa: E402
 from kernels.castle import TritonConfig, castle_attn, castle_decode, castle_prefill  # noqa: E402
+from kernels.sdpa import decode_sdpa  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -181,12 +182,13 @@ def castle_cache(B, H, T, D, window, dtype, device, room):
 
 def kv_cache_step(k_buf, v_buf, t, scale):
     """The standard decode step the CASTLE rows are compared with: write k, v of position t into a
-    preallocated KV cache, then SDPA of the one query over the t + 1 cached positions."""
+    preallocated KV cache, then SDPA of the one query over the t + 1 cached positions (without cuDNN,
+    which would build a new plan for every length: kernels/sdpa.py)."""
     def step(qc, kc, vc, *_):
         k_buf[:, :, t[0]: t[0] + 1] = kc
         v_buf[:, :, t[0]: t[0] + 1] = vc
         t[0] += 1
-        return F.scaled_dot_product_attention(qc, k_buf[:, :, : t[0]], v_buf[:, :, : t[0]], scale=scale)
+        return decode_sdpa(qc, k_buf[:, :, : t[0]], v_buf[:, :, : t[0]], scale=scale)
     return step
 
 

@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from model.gpt import GPT, GPTConfig, prefer_sdpa_backend  # noqa: E402
+from kernels.sdpa import prefer_sdpa_backend  # noqa: E402
+from model.gpt import GPT, GPTConfig  # noqa: E402
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
                   "castle_paper_M", "castle_swl_paper_M", "transformer_llama_125M", "fox_llama_125M",

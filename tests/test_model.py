@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.gpt import (ATTENTIONS, GPT, SDPA_BACKENDS, GPTConfig, mlp_hidden_size, prefer_sdpa_backend,
-                       sample_token)
+from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
+from model.gpt import ATTENTIONS, GPT, GPTConfig, mlp_hidden_size, sample_token
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
@@ -181,6 +181,14 @@ def test_sdpa_backend_preference_keeps_the_result(name):
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     with prefer_sdpa_backend(name):   # the others stay enabled as fallbacks, so CPU still runs
         torch.testing.assert_close(F.scaled_dot_product_attention(q, k, v, is_causal=True), expected)
+
+
+def test_decode_sdpa_equals_sdpa_with_a_mask():
+    q, k, v = torch.randn(2, 3, 5, 16), torch.randn(2, 3, 40, 16), torch.randn(2, 3, 40, 16)
+    mask = torch.rand(5, 40) > 0.3
+    mask[:, 0] = True
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
+    torch.testing.assert_close(decode_sdpa(q, k, v, attn_mask=mask, scale=0.3), expected)
 
 
 def test_unknown_sdpa_backend_is_named():
