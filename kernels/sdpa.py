@@ -22,7 +22,8 @@ def prefer_sdpa_backend(name):
     if name == "auto":
         return contextlib.nullcontext()
     if name not in SDPA_BACKENDS:
-        raise ValueError(f"sdpa_backend={name!r} is unknown; choose auto or one of {sorted(SDPA_BACKENDS)}")
+        raise ValueError(f"sdpa_backend={name!r} (train.sdpa_backend / --sdpa-backend) is unknown; "
+                         f"choose auto or one of {sorted(SDPA_BACKENDS)}")
     order = [SDPA_BACKENDS[name]] + [b for b in SDPA_BACKENDS.values() if b != SDPA_BACKENDS[name]]
     return sdpa_kernel(order, set_priority=True)
 

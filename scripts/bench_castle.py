@@ -292,7 +292,7 @@ def main():
     results = []
     run("castle triton (ours)", lambda *a: castle_attn(*a, window=args.window, impl="triton"), xs, cf, results)
     if "sdpa" not in skip:
-        run("SDPA causal (FlashAttention), yardstick", lambda q, k, v, *_: F.scaled_dot_product_attention(
+        run("SDPA causal (default backend), yardstick", lambda q, k, v, *_: F.scaled_dot_product_attention(
             q, k, v, is_causal=True), xs, lambda bwd: sdpa_flops(B, H, L, D, bwd), results)
     if "blockwise" not in skip:
         run("castle blockwise torch (ours)", lambda *a: castle_attn(*a, window=args.window, impl="blockwise"),
