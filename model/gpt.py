@@ -163,13 +163,20 @@ def rope_tables(head_dim, max_len, theta, device=None):
 
 
 def apply_rope(x, rope):
-    """Rotate (B, H, T, D) by the (cos, sin) tables of its T positions; halves convention."""
+    """Rotate (B, H, T, D) by the (cos, sin) tables of its T positions; halves convention.
+
+    A view of a (B, T, H, D) projection is rotated in that order, so the result (and, in the
+    backward, its gradient) keeps the projection's memory layout: no transposing copy to gather
+    the q/k gradients for the fused projection."""
     if rope is None:
         return x
     cos, sin = rope
+    heads_inner = x.stride(1) < x.stride(2)
+    if heads_inner:
+        x, cos, sin = x.transpose(1, 2), cos[:, None], sin[:, None]
     x1, x2 = x.float().chunk(2, dim=-1)
-    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
-    return rotated.type_as(x)
+    rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
+    return rotated.transpose(1, 2) if heads_inner else rotated
 
 
 # ----------------------------------------------------------------------------- attention
