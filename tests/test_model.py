@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
-from model.gpt import ATTENTIONS, GPT, GPTConfig, mlp_hidden_size, sample_token
+from model.gpt import ATTENTIONS, GPT, GPTConfig, apply_rope, mlp_hidden_size, rope_tables, sample_token, split_heads
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
@@ -335,3 +335,22 @@ def test_triton_training_kernels_take_float_scales_as_constexpr():
         for p in scales:                    # the annotation is a string under `from __future__ import annotations`
             annotation = p.annotation if isinstance(p.annotation, str) else getattr(p.annotation, "__name__", "")
             assert annotation.endswith("constexpr"), (python_function(kernel).__name__, p.name)
+
+
+def test_rope_keeps_the_projection_layout():
+    """RoPE on a (B, H, T, D) view of a (B, T, H*D) projection returns the same values as on a
+    contiguous copy, laid out like the projection (heads inner), and its gradient too."""
+    B, T, H, D = 2, 7, 3, 8
+    cos, sin = rope_tables(D, T, 10000.0)
+    proj = torch.randn(B, T, H * D, dtype=torch.float64, requires_grad=True)
+    view = split_heads(proj, H)
+    rotated = apply_rope(view, (cos, sin))
+    expected = apply_rope(view.detach().contiguous(), (cos, sin))
+    assert torch.equal(rotated, expected)
+    assert rotated.stride(1) < rotated.stride(2)          # (B, T, H, D) in memory
+    assert expected.is_contiguous()                       # a contiguous input stays (B, H, T, D)
+    grad = torch.randn_like(rotated)
+    (g_proj,) = torch.autograd.grad(rotated, proj, grad)
+    x = view.detach().contiguous().requires_grad_()
+    (g_ref,) = torch.autograd.grad(apply_rope(x, (cos, sin)), x, grad)
+    assert torch.allclose(split_heads(g_proj, H), g_ref)
