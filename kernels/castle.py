@@ -615,8 +615,12 @@ class _CastleTriton(torch.autograd.Function):
 
 
 def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
-    assert triton is not None, "impl='triton' needs triton"
-    assert qc.shape[-1] <= 128, "the Triton kernels take head dims up to 128"
+    if triton is None:
+        raise RuntimeError("impl='triton' needs the triton package (pip install triton); "
+                           "use impl='blockwise' or 'torch' without it")
+    if qc.shape[-1] > 128:
+        raise ValueError(f"the Triton kernels take head dims up to 128, got {qc.shape[-1]}; "
+                         "use impl='blockwise' or a smaller head_dim")
     cfg = cfg or _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype)
     assert cfg.m_fwd % cfg.n_fwd == 0 and cfg.m_bwd % cfg.n_bwd == 0 and cfg.m_fwd % cfg.m_bwd == 0, cfg
     return _CastleTriton.apply(qc, kc, vc, qu, ku, vu, window, scale, cfg)
@@ -629,7 +633,8 @@ def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
 def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto"):
     """CASTLE (window=None) or CASTLE-SWL (window=W) attention; inputs (B, H, L, D) -> (B, H, L, D)."""
     _check(qc, kc, vc, qu, ku, vu, window)
-    assert impl in _IMPLS, f"impl must be one of {_IMPLS}"
+    if impl not in _IMPLS:
+        raise ValueError(f"impl={impl!r} is unknown; choose one of {_IMPLS}")
     scale = qc.shape[-1] ** -0.5 if scale is None else float(scale)
     if qc.shape[-2] == 0:
         return torch.empty_like(qc)
@@ -772,7 +777,9 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu):
     then the position's own rows are written. The scores of eqs (5)-(8) take the causal part from SDPA
     with the per-key bias -SiLU(s q^C u_j^T) (fp32 U and bias; for bf16/fp16 inputs the bias is
     rounded to the input dtype, and q^U k^U is an input-dtype matmul, as the kernels' bf16 operands)."""
-    assert qc.shape[-2] == 1, "castle_decode takes one position at a time"
+    if qc.shape[-2] != 1:
+        raise ValueError(f"castle_decode takes one position at a time, got {qc.shape[-2]}; "
+                         "feed a longer prompt to castle_prefill")
     t, scale, cdt = cache.length, cache.scale, cache.u_buf.dtype
     owners = cache.qu                                                         # positions t - n .. t - 1
     n = owners.shape[-2]

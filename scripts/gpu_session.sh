@@ -30,7 +30,7 @@ case "${1:-tests}" in
            torchrun --standalone --nproc_per_node=$N scripts/bench_sharded_decode.py --attention baseline,fox,castle \
              --ctx 1048576 --check 256 --graphs 2>&1 | tee "$OUT/sharded.log" | tail -10
            python -m pytest -m gpu -q -rs tests/test_tree.py tests/test_sharded_decode.py 2>&1 | tee "$OUT/pytest_2gpu.log" | tail -4
-           python scripts/bench_scaling.py --gpus 1 2 $N --steps 14 --skip 4 --out /tmp/scaling -- experiment=baseline_paper_M \
+           python scripts/bench_scaling.py --gpus $(printf "%s\n" 1 2 $N | sort -un) --steps 14 --skip 4 --out /tmp/scaling -- experiment=baseline_paper_M \
              data=text data.dir=.gpu_data/text train.micro_batch_size=16 2>&1 | tee "$OUT/scaling.log" | tail -10 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;

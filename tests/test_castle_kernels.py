@@ -85,6 +85,15 @@ def test_golden_example_1():
     assert torch.allclose(cache.u.flatten(), _t([-0.731059, 0.440399, 0]), atol=1e-6)
 
 
+def test_bad_calls_are_named():
+    xs = inputs(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="impl='fast'.*blockwise"):
+        castle_attn(*xs, impl="fast")
+    _, cache = castle_prefill(*[x[..., :2, :] for x in xs])
+    with pytest.raises(ValueError, match="one position at a time, got 2.*castle_prefill"):
+        castle_decode(cache, *[x[..., 2:, :] for x in xs])
+
+
 def test_golden_example_2_and_scaling():
     """Spec §8.2 example 2 (d = 2, L = 4); d >= 2 tells the right 1/sqrt(d) placement from the wrong one."""
     xs = [_t(x).view(1, 1, 4, 2) for x in (

@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
-from model.gpt import ATTENTIONS, GPT, GPTConfig, apply_rope, mlp_hidden_size, rope_tables, sample_token, split_heads
+from model.gpt import (ATTENTIONS, GPT, GPTConfig, apply_rope, keys_per_query, mlp_hidden_size, rope_tables,
+                       sample_token, split_heads)
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
@@ -212,7 +213,6 @@ def test_flops_per_token_counts_weights_and_attention():
 @pytest.mark.parametrize("T,W", [(1, None), (7, None), (7, 3), (7, 7), (7, 100), (2048, 128)])
 def test_keys_per_query_is_the_causal_count(T, W):
     """MFU counts the keys a causal query really sees (within the window), not T per query."""
-    from model.gpt import keys_per_query
     brute = sum(min(i + 1, W or T) for i in range(T)) / T
     assert keys_per_query(T, W) == pytest.approx(brute)
 
