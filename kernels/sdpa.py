@@ -28,7 +28,7 @@ def prefer_sdpa_backend(name):
     return sdpa_kernel(order, set_priority=True)
 
 
-def decode_sdpa(q, k, v, attn_mask=None, scale=None):
+def decode_sdpa(q, k, v, attn_mask=None, scale=None, dropout_p=0.0):
     """SDPA of new queries over a cache whose length changes every call: any backend but cuDNN."""
     with sdpa_kernel(_DECODE_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale)

@@ -379,7 +379,7 @@ class SoftmaxAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if fresh:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return decode_sdpa(q, k, v, attn_mask=cached_causal_mask(T, k.size(2), q.device))
+        return decode_sdpa(q, k, v, attn_mask=cached_causal_mask(T, k.size(2), q.device), dropout_p=dropout)
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)

@@ -190,6 +190,8 @@ def test_decode_sdpa_equals_sdpa_with_a_mask():
     mask[:, 0] = True
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3)
     torch.testing.assert_close(decode_sdpa(q, k, v, attn_mask=mask, scale=0.3), expected)
+    dropped = decode_sdpa(q, k, v, attn_mask=mask, scale=0.3, dropout_p=0.5)  # training through a cache
+    assert not torch.allclose(dropped, expected)
 
 
 def test_unknown_sdpa_backend_is_named():
