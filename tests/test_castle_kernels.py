@@ -256,6 +256,22 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, variant, monkeypatch
 
 @needs_triton
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
+def test_triton_backward_head_groups(variant, monkeypatch):
+    """The backward launches heads in groups of _BWD_HEAD_GROUP: B*H = 10 makes a full group and a
+    partial one, and every head's gradients must still be its own."""
+    B, H, L, D = 2, 5, 33, 32
+    assert B * H > castle._BWD_HEAD_GROUP and B * H % castle._BWD_HEAD_GROUP != 0
+    _poisoned_empty(monkeypatch)
+    xs = inputs(B, H, L, D, torch.float32)
+    go = torch.randn(B, H, L, D)
+    cfg = dataclasses.replace(TILE16, bwd_variant=variant)
+    _, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=5, impl="torch"), [x.double() for x in xs], go)
+    _, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 5, D ** -0.5, cfg), xs, go)
+    assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
+
+
+@needs_triton
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
 def test_triton_backward_twice(variant):
     """retain_graph: a second backward gives the same gradients (no variant consumes the saved U)."""
     xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
