@@ -6,7 +6,9 @@ Triton kernels. On CPU the Triton kernels run under TRITON_INTERPRET=1 on tiny s
 tiles, so several blocks, ragged tails and window edges are all exercised, and once at L = 173 with
 the tiles a GPU uses by default; the interpreter computes the tiles in fp32 (it cannot multiply
 bf16), so the bf16 rounding of the kernels is checked by the gpu-marked tests at real shapes, against
-what plain bf16 matmuls achieve on the same inputs.
+what plain bf16 matmuls achieve on the same inputs. The same goes for the 16-bit path's sigmoid (one
+tanh.approx, inline PTX the interpreter cannot run): only the gpu-marked bf16 tests reach it, at odd
+lengths, forward and all six gradients.
 """
 import dataclasses
 import math
