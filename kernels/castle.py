@@ -302,12 +302,27 @@ if triton is not None:
             return 0.5 + 0.5 * t
 
     @triton.jit
-    def _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC: tl.constexpr, DT: tl.constexpr):
-        """sigma_{c,a}: weight of contributor i (rows_a) in the lookahead key of owner j (rows_c),
-        eq (3) with mask (4) / (9): j < i <= j + W."""
-        z = tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC) * scale
-        keep = (rows_a[None, :] > rows_c[:, None]) & (rows_a[None, :] <= rows_c[:, None] + W)
-        return tl.where(keep, _sigmoid(z, DT), 0.0)
+    def _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN: tl.constexpr, BM: tl.constexpr,
+                         PREC: tl.constexpr, DT: tl.constexpr):
+        """sigma_{c,a}: weight of contributor i (row block a) in the lookahead key of owner j (key block
+        c), eq (3) with mask (4) / (9): j < i <= j + W. Tiles the mask keeps whole skip it."""
+        sig = _sigmoid(tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC) * scale, DT)
+        if (a * BM <= c * BN + BN - 1) | (a * BM + BM - 1 > c * BN + W):
+            rows_c = c * BN + tl.arange(0, BN)
+            rows_a = a * BM + tl.arange(0, BM)
+            keep = (rows_a[None, :] > rows_c[:, None]) & (rows_a[None, :] <= rows_c[:, None] + W)
+            sig = tl.where(keep, sig, 0.0)
+        return sig
+
+    @triton.jit
+    def _causal_log2(sc, a, c, BM: tl.constexpr, BN: tl.constexpr):
+        """Scores in log2 units, -inf above the diagonal; masked only on tiles that meet it."""
+        sc = sc * _LOG2E
+        if a * BM < c * BN + BN - 1:
+            rows_a = a * BM + tl.arange(0, BM)
+            rows_c = c * BN + tl.arange(0, BN)
+            sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc, float("-inf"))
+        return sc
 
     @triton.jit
     def _last_row_block(c, W, NR, BM: tl.constexpr, BN: tl.constexpr):
@@ -385,7 +400,7 @@ if triton is not None:
                 u_c = tl.load(u_ptr, cache_modifier=".cg").to(DT)
                 s = tl.dot(qc_a, tl.trans(u_c), input_precision=PREC) * scale     # eq (24), first term
             if a <= last_row:
-                sig = _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC, DT).to(DT)
+                sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
                 s += tl.dot(r, tl.trans(sig), input_precision=PREC)               # eqs (22)/(24), local
                 if do_write:
                     upd = tl.dot(sig, vu_fold, input_precision=PREC)              # eq (23)
@@ -396,7 +411,7 @@ if triton is not None:
                     tl.debug_barrier()
                     tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
             sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * _sigmoid(s, DT)  # (19)
-            sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc * _LOG2E, float("-inf"))
+            sc = _causal_log2(sc, a, c, BM, BN)
             m_new = tl.maximum(m, tl.max(sc, 1))      # online softmax (Algorithm 2)
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(sc - m_new[:, None])
@@ -481,7 +496,7 @@ if triton is not None:
                 sig = tl.zeros([BN, BM], dtype=DT)
                 r = tl.zeros([BM, BM], dtype=DT)
                 if in_window:
-                    sig = _lookahead_sigma(qu_c, ku_a, rows_c, rows_a, scale, W, PREC, DT).to(DT)
+                    sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
                     if folded:
                         u -= tl.dot(sig, vu_a, input_precision=PREC)
                     r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
@@ -494,7 +509,7 @@ if triton is not None:
                 sg = _sigmoid(s, DT)
                 sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
                 dsilu = sg * (1.0 + s * (1.0 - sg))
-                sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc * _LOG2E, float("-inf"))
+                sc = _causal_log2(sc, a, c, BM, BN)
                 p = tl.exp2(sc - lse_a[:, None])                                            # eq (25)
                 if CAUSAL_GRADS:
                     dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)           # eq (27)
