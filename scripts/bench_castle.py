@@ -2,7 +2,8 @@
 
     python scripts/bench_castle.py --L 2048 --D 64 --B 8 --H 16 --dtype bf16 [--window 512] [--sweep]
 
-Rows: our Triton kernels (kernels/castle.py), the materialised parallel form (impl="torch", O(L^3)),
+Rows: our Triton kernels (kernels/castle.py), the materialised parallel form (impl="torch", O(L^3); in fp32
+and, for 16-bit inputs, under autocast: 16-bit cuBLAS matmuls),
 the blockwise PyTorch path (impl="blockwise"), the PyPI peer `lookahead-keys-attention` when importable,
 and SDPA causal attention at the same shape. Times are medians of CUDA-event timings after warm-up
 (triton.testing.do_bench). TFLOP/s use the spec's count (castle.md §3.7): the block algorithm spends
@@ -300,6 +301,12 @@ def main():
     if "torch" not in skip:
         run("castle parallel torch, materialised", lambda *a: castle_attn(*a, window=args.window, impl="torch"),
             xs, cf, results)
+        if dtype != torch.float32:  # the same form with every matmul in 16 bits on cuBLAS (what autocast does)
+            def materialised_16bit(*a):
+                with torch.autocast("cuda", dtype=dtype):
+                    return castle_attn(*a, window=args.window, impl="torch")
+            run("castle parallel torch, materialised, autocast 16-bit matmuls", materialised_16bit, xs, cf,
+                results)
     peer = None if "peer" in skip else peer_fn()
     if peer is not None and args.window is None:
         small = [x[:1, :2, :256].detach().clone() for x in xs]
