@@ -14,9 +14,14 @@ Precision policy for c (fox.md §1.5, §8.9). An fp32 global cumsum cancels cata
 with log f ~ -5 at 64K tokens |c| ~ 3e5, so each c_i carries an absolute error of ~0.02 and so
 does every bias c_i - c_j, including the near-diagonal ones that carry the weight (~2% error in
 the probabilities). Instead c is kept in float64 (8 bytes per head per token, nothing next to
-Q/K/V), and every kernel program subtracts, in fp64, c at the first position of the tile it owns
-(c_ref) before casting to fp32. An entry (i, j) that carries weight has |c_i - c_j| small, so
-its fp32 bias error is about 6e-8 * (|c_i - c_j| + sum of |log f| over one 128-token tile):
+Q/K/V). The kernels get it in two parts (`_split_c`): a float64 value per 128-position block (c at
+its first position) and every position's fp32 offset from its block's value, a small number.
+Every kernel program takes the block value of the tile it owns as its reference c_ref; a position's
+bias is its offset plus (its block's value - c_ref), that difference taken in fp64 once per tile
+and then cast: per position one fp32 load and add, no fp64 arithmetic (fp64 loads and
+subtractions per position cost the kernels 4-5% of forward+backward on an H100). An entry (i, j)
+that carries weight has |c_i - c_j| small, so its fp32 bias error is about
+6e-8 * (|c_i - c_j| + sum of |log f| over two 128-token blocks):
 bounded independently of L and of |c| (about 1e-4 for |log f| <= 10; entries with a large
 |c_i - c_j| get an error relative to it, but their weight is ~exp(-|c_i - c_j|) anyway).
 The op is thus invariant to adding a constant to c (i.e. to changing log f_1), which the tests
@@ -47,6 +52,7 @@ import triton.language as tl
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _LOG2E = tl.constexpr(1.4426950408889634)  # kernels use exp2/log2: logits are scaled by log2(e)
 _MAX_BLOCK = 16 if _INTERPRET else 128  # every tile size divides this; L is padded to it
+_C_BLOCK = tl.constexpr(_MAX_BLOCK)  # c is split into a float64 value per block + fp32 offsets
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,14 +112,21 @@ def forgetting_decode(q, k_cache, v_cache, c_cache, *, scale=None):
 # ---------------------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_inner(acc, m_i, l_i, q, K, V, C, c_ref, stride_kl, stride_vl, offs_m, lo, hi, scale2,
+def _rel_c(CO, CB, offs, start, c_ref):
+    # log2(e) * (c[offs] - c_ref) in fp32, for positions offs in the c block that holds `start`:
+    # one fp32 load and add per position, the fp64 part once per tile (see _split_c)
+    return tl.load(CO + offs) + (tl.load(CB + start // _C_BLOCK) - c_ref).to(tl.float32)
+
+
+@triton.jit
+def _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m, lo, hi, scale2,
                HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
                DOT_PREC: tl.constexpr):
     offs_d = tl.arange(0, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + tl.arange(0, BLOCK_N)
         kt = tl.load(K + cols[None, :] * stride_kl + offs_d[:, None])
-        ck = (tl.load(C + cols) - c_ref).to(tl.float32) * _LOG2E
+        ck = _rel_c(CO, CB, cols, start_n, c_ref)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 - ck[None, :]
         if MASK:
             s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
@@ -130,7 +143,7 @@ def _fwd_inner(acc, m_i, l_i, q, K, V, C, c_ref, stride_kl, stride_vl, offs_m, l
 # The float scales are constexpr: torch.compile (Inductor) would pass a Python float as an fp64
 # scalar and promote the logits to fp64; as constants they stay fp32 in eager and compiled runs.
 @triton.jit
-def _fwd_kernel(Q, K, V, C, O, LSE2, scale2: tl.constexpr,
+def _fwd_kernel(Q, K, V, CO, CB, O, LSE2, scale2: tl.constexpr,
                 stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                 stride_vb, stride_vh, stride_vl, H, L,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -143,28 +156,29 @@ def _fwd_kernel(Q, K, V, C, O, LSE2, scale2: tl.constexpr,
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
-    C += bh.to(tl.int64) * L
+    CO += bh.to(tl.int64) * L
+    CB += bh.to(tl.int64) * (L // _C_BLOCK)
     O += bh.to(tl.int64) * L * HEAD_DIM
     LSE2 += bh.to(tl.int64) * L
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + offs_m[:, None] * stride_ql + offs_d[None, :])
-    c_ref = tl.load(C + start_m)  # fp64; all biases of this program are taken relative to it
+    c_ref = tl.load(CB + start_m // _C_BLOCK)  # fp64; this program's biases are relative to it
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     # keys strictly before the tile need no mask; the diagonal tile does
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, C, c_ref, stride_kl, stride_vl, offs_m,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
                                0, start_m, scale2, HEAD_DIM, BLOCK_N, False, DOT_PREC)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, C, c_ref, stride_kl, stride_vl, offs_m,
+    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
                                start_m, start_m + BLOCK_M, scale2, HEAD_DIM, BLOCK_N, True,
                                DOT_PREC)
     o = acc / l_i[:, None]
     tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty))
     # the row term c_i was left out of the logits (it cancels in the softmax); put it back so
     # that LSE2 is the true base-2 logsumexp of scale*q.k + c_i - c_j
-    cq = (tl.load(C + offs_m) - c_ref).to(tl.float32) * _LOG2E
+    cq = _rel_c(CO, CB, offs_m, start_m, c_ref)
     tl.store(LSE2 + offs_m, m_i + tl.math.log2(l_i) + cq)
 
 
@@ -183,7 +197,7 @@ def _bwd_delta_kernel(O, DO, DELTA, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, Q, DO, C, LSE2, DELTA, c_ref, stride_ql, offs_n,
+def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, Q, DO, CO, CB, LSE2, DELTA, c_ref, stride_ql, offs_n,
                     lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                     MASK: tl.constexpr, DOT_PREC: tl.constexpr):
     # one key tile against query tiles [lo, hi); works on transposed tiles (keys x queries)
@@ -191,7 +205,7 @@ def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, Q, DO, C, LSE2, DELTA, c_ref, stride_
     for start_m in range(lo, hi, BLOCK_M):
         rows = start_m + tl.arange(0, BLOCK_M)
         qt = tl.load(Q + rows[None, :] * stride_ql + offs_d[:, None])
-        cq = (tl.load(C + rows) - c_ref).to(tl.float32) * _LOG2E
+        cq = _rel_c(CO, CB, rows, start_m, c_ref)
         row_bias = cq - tl.load(LSE2 + rows)
         st = tl.dot(k, qt, input_precision=DOT_PREC) * scale2 + row_bias[None, :] - ck[:, None]
         if MASK:
@@ -207,7 +221,7 @@ def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, Q, DO, C, LSE2, DELTA, c_ref, stride_
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl, stride_vl, offs_m,
+def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
                   lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
                   MASK: tl.constexpr, DOT_PREC: tl.constexpr):
     # one query tile against key tiles [lo, hi)
@@ -216,7 +230,7 @@ def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl, st
         cols = start_n + tl.arange(0, BLOCK_N)
         kt = tl.load(K + cols[None, :] * stride_kl + offs_d[:, None])
         vt = tl.load(V + cols[None, :] * stride_vl + offs_d[:, None])
-        ck = (tl.load(C + cols) - c_ref).to(tl.float32) * _LOG2E
+        ck = _rel_c(CO, CB, cols, start_n, c_ref)
         s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 + row_bias[:, None] - ck[None, :]
         if MASK:
             s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
@@ -229,7 +243,8 @@ def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl, st
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.constexpr, scale2: tl.constexpr,
+def _bwd_kernel(Q, K, V, CO, CB, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
+                scale: tl.constexpr, scale2: tl.constexpr,
                 stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                 stride_vb, stride_vh, stride_vl, H, L,
                 HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_LARGE: tl.constexpr,
@@ -244,7 +259,8 @@ def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.con
     K += b * stride_kb + h * stride_kh
     V += b * stride_vb + h * stride_vh
     offset = bh.to(tl.int64) * L  # into the contiguous (B, H, L[, D]) buffers
-    C += offset
+    CO += offset
+    CB += bh.to(tl.int64) * (L // _C_BLOCK)
     LSE2 += offset
     DELTA += offset
     DCQ += offset
@@ -256,8 +272,8 @@ def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.con
 
     offs = start + tl.arange(0, BLOCK_LARGE)
     offs_d = tl.arange(0, HEAD_DIM)
-    c_ref = tl.load(C + start)
-    c_tile = (tl.load(C + offs) - c_ref).to(tl.float32) * _LOG2E
+    c_ref = tl.load(CB + start // _C_BLOCK)
+    c_tile = _rel_c(CO, CB, offs, start, c_ref)
 
     # dK, dV for keys `offs`: queries from the diagonal tile (masked) to the end
     k = tl.load(K + offs[:, None] * stride_kl + offs_d[None, :])
@@ -265,10 +281,10 @@ def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.con
     dk = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
     dv = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
     dck = tl.zeros([BLOCK_LARGE], tl.float32)
-    dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, C, LSE2, DELTA, c_ref,
+    dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
                                   stride_ql, offs, start, start + BLOCK_LARGE, scale2,
                                   HEAD_DIM, BLOCK_SMALL, True, DOT_PREC)
-    dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, C, LSE2, DELTA, c_ref,
+    dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
                                   stride_ql, offs, start + BLOCK_LARGE, L, scale2,
                                   HEAD_DIM, BLOCK_SMALL, False, DOT_PREC)
     out = offs[:, None] * HEAD_DIM + offs_d[None, :]
@@ -283,10 +299,10 @@ def _bwd_kernel(Q, K, V, C, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK, scale: tl.con
     delta = tl.load(DELTA + offs)
     dq = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
     dcq = tl.zeros([BLOCK_LARGE], tl.float32)
-    dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl,
+    dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
                             stride_vl, offs, start, start + BLOCK_LARGE, scale2,
                             HEAD_DIM, BLOCK_SMALL, True, DOT_PREC)
-    dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, C, c_ref, stride_kl,
+    dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
                             stride_vl, offs, 0, start, scale2,
                             HEAD_DIM, BLOCK_SMALL, False, DOT_PREC)
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty))
@@ -349,19 +365,28 @@ def _dot_prec(dtype):
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _triton_fwd(q, k, v, c, scale):
+def _split_c(c):
+    """log2(e) * c (float64, length a multiple of _MAX_BLOCK) as one float64 value per block (its
+    first position's) and every position's fp32 offset from its block's value (a small number)."""
+    c2 = (c * _LOG2E.value).unflatten(-1, (-1, _MAX_BLOCK))
+    blocks = c2[..., 0]
+    offsets = (c2 - blocks[..., None]).flatten(-2).float()
+    return offsets, blocks.contiguous()
+
+
+def _triton_fwd(q, k, v, c_parts, scale):
     B, H, L, D = q.shape
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _launch(_fwd_tuned, _fwd_kernel, _FWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_M"]),
-            q, k, v, c, o, lse2, scale * _LOG2E.value,
+            q, k, v, *c_parts, o, lse2, scale * _LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
             HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype))
     return o, lse2
 
 
-def _triton_bwd(q, k, v, c, o, lse2, do, scale):
+def _triton_bwd(q, k, v, c_parts, o, lse2, do, scale):
     B, H, L, D = q.shape
     delta = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(B * H * L // _MAX_BLOCK,)](o, do, delta, HEAD_DIM=D, BLOCK=_MAX_BLOCK)
@@ -369,7 +394,7 @@ def _triton_bwd(q, k, v, c, o, lse2, do, scale):
     dcq, dck = (torch.empty(B, H, L, dtype=torch.float32, device=q.device) for _ in range(2))
     _launch(_bwd_tuned, _bwd_kernel, _BWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_LARGE"]),
-            q, k, v, c, do, lse2, delta, dq, dk, dv, dcq, dck, scale,
+            q, k, v, *c_parts, do, lse2, delta, dq, dk, dv, dcq, dck, scale,
             scale * _LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
             HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype))
@@ -398,17 +423,18 @@ class _ForgettingAttnTriton(torch.autograd.Function):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         c = fgate_cumsum(log_fgate)
         c = torch.cat([c, c[..., -1:].expand(*c.shape[:-1], Lp - L)], -1)  # log f = 0 when padded
-        o, lse2 = _triton_fwd(q, k, v, c, scale)
-        ctx.save_for_backward(q, k, v, c, o, lse2)
+        c_parts = _split_c(c)
+        o, lse2 = _triton_fwd(q, k, v, c_parts, scale)
+        ctx.save_for_backward(q, k, v, *c_parts, o, lse2)
         ctx.scale, ctx.L, ctx.D = scale, L, D
         return o[..., :L, :D]
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, c, o, lse2 = ctx.saved_tensors
+        q, k, v, c_offsets, c_blocks, o, lse2 = ctx.saved_tensors
         L, D = ctx.L, ctx.D
         do = _pad(do, *o.shape[-2:]).contiguous()
-        dq, dk, dv, dc = _triton_bwd(q, k, v, c, o, lse2, do, ctx.scale)
+        dq, dk, dv, dc = _triton_bwd(q, k, v, (c_offsets, c_blocks), o, lse2, do, ctx.scale)
         dlog_fgate = _reverse_cumsum(dc[..., :L])
         return dq[..., :L, :D], dk[..., :L, :D], dv[..., :L, :D], dlog_fgate, None
 
