@@ -28,8 +28,8 @@ from tests.test_model import VARIANTS   # every attention variant and block styl
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 TINY = {"vocab_size": 50304, "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 32}
-needs_data = pytest.mark.skipif(not data_root().is_dir(),
-                                reason="needs the local benchmark copies (../shared/data/eval)")
+NO_DATA = "needs the local benchmark copies (../shared/data/eval; .ci/run requires them)"
+needs_data = pytest.mark.skipif(not data_root().is_dir(), reason=NO_DATA)
 
 
 @pytest.fixture(scope="module")
@@ -283,13 +283,22 @@ def eval_run(overrides):
         return eval_script.run(compose(config_name="evaluate", overrides=overrides))
 
 
-@needs_data
-def test_eval_py_end_to_end(tiny_checkpoint):
+@pytest.fixture(scope="module")
+def evaluated_checkpoint(tiny_checkpoint):
+    """The tiny run after eval.py's long-context, needle and (offline) lm_eval tasks; -> (run dir, results)."""
+    if not data_root().is_dir():
+        pytest.skip(NO_DATA)
     ckpt = f"ckpt={tiny_checkpoint}"
     eval_run([ckpt, "eval.tasks=[long_context,niah]", "long_context.num_seqs=3", "long_context.min_len=64",
               "niah.lengths=[300,400]", "niah.depths=[0,50,100]", "niah.max_new_tokens=6"])
     results = eval_run([ckpt, "eval.tasks=[lm_eval]", "lm_eval.preset=fox", "lm_eval.offline=true", "lm_eval.limit=2",
                         "lm_eval.bootstrap_iters=0"])
+    return tiny_checkpoint, results
+
+
+def test_eval_py_end_to_end(evaluated_checkpoint):
+    tiny_checkpoint, results = evaluated_checkpoint
+    ckpt = f"ckpt={tiny_checkpoint}"
     saved = json.loads((tiny_checkpoint / "results.json").read_text())
     assert saved == json.loads(json.dumps(results)) and {"long_context", "niah", "lm_eval"} <= set(saved)
 
@@ -324,11 +333,9 @@ def run_script(name, args, monkeypatch):
     module.main()
 
 
-@needs_data
-def test_plot_and_table_scripts(tiny_checkpoint, tmp_path, monkeypatch, capsys):
-    """Run after the end-to-end test has filled the tiny run's results.json and long_context.csv."""
-    if not (tiny_checkpoint / "results.json").is_file():
-        pytest.skip("needs test_eval_py_end_to_end first")
+def test_plot_and_table_scripts(evaluated_checkpoint, tmp_path, monkeypatch, capsys):
+    """The plot and table scripts on the tiny run's results.json and long_context.csv."""
+    tiny_checkpoint, _ = evaluated_checkpoint
     png = tmp_path / "overlay.png"
     run_script("plot_long_context", [str(tiny_checkpoint), str(tiny_checkpoint / "long_context.csv"),
                                      "--labels", "a", "b", "--out", str(png), "--min-len", "64"], monkeypatch)

@@ -61,7 +61,7 @@ def wiki_documents(path):
     return [d.strip() for d in docs if "\n" in d.strip()]
 
 
-@pytest.mark.skipif(not WIKI.exists(), reason="needs ../shared/data/text")
+@pytest.mark.skipif(not WIKI.exists(), reason="needs ../shared/data/text (.ci/run requires it)")
 def test_prepare_text_wikiextractor(tmp_path):
     files = [str(WIKI / "wiki_00.gz"), str(WIKI / "wiki_01.gz")]
     manifest = prepare_text.main(["--source", *files, "--out", str(tmp_path), "--val-tokens", "20000",

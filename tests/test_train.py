@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 
+from train import lr_at
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["size=tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.head_dim=16",
         "train.seq_len=32", "train.micro_batch_size=4", "train.log_interval=1",
@@ -88,6 +90,7 @@ def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
     run("train.py", common + [f"train.out_dir={tmp_path / 'fsdp'}", "train.parallel=fsdp",
                               "train.sample_tokens=4"], torchrun=2)
     one, fsdp = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
+    assert sorted(one) == sorted(fsdp) == [1, 2, 3, 4]
     for step in one:
         assert abs(one[step] - fsdp[step]) < 1e-4 * abs(one[step]), (one, fsdp)
     os.remove(tmp_path / "fsdp" / "ckpt_4.pt")       # resume the FSDP run from step 2 in one process
@@ -201,3 +204,13 @@ def test_streamed_text_equals_decoded_text_for_json_tokenizer(capsys):
     text = sample.stream_text(Replay(), tok, [tok.eot_token], cfg, "cpu")
     assert text == 'He said "hi"\nthen left. café ✓ 😀 end'
     assert capsys.readouterr().out == text + "\n"
+
+
+def test_lr_schedule_warms_up_from_zero_then_cosine_to_the_floor():
+    """fox.md §3.2: lr(0) = 0, linear warmup to the peak, cosine down to min_ratio * peak, then flat."""
+    lr, warmup, max_steps, floor = 1e-3, 10, 110, 0.1
+    at = [lr_at(s, max_steps, warmup, lr, floor) for s in range(150)]
+    assert at[0] == 0 and at[5] == pytest.approx(lr / 2) and at[warmup] == pytest.approx(lr)
+    assert at[60] == pytest.approx(lr * (1 + floor) / 2)          # half-way down the cosine
+    assert at[max_steps] == pytest.approx(lr * floor) and at[149] == pytest.approx(lr * floor)
+    assert all(a >= b for a, b in zip(at[warmup:], at[warmup + 1:]))
