@@ -17,12 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail, not skip)
 
 from kernels import tree
 from kernels.tree import (COMBINES, allgather_decode, attn_partial, castle_bias, castle_update,
                           fox_bias, mask_bias, ring_decode, sharded_cumsum, tree_decode)
-
-HAS_TRITON = tree.triton is not None
 
 
 # ----------------------------------------------------------------------------- references
@@ -94,13 +93,15 @@ def check_exact(c):
         b = bounds(N, c.world, gen, layout)
         lo, hi = b[c.rank], b[c.rank + 1]
         q, kl, vl = c.to(q, k[:, :, lo:hi], v[:, :, lo:hi])
+        paper = tree_decode(q, kl, vl, combine="paper")
         got = []
         for combine in COMBINES:
             o, lse = tree_decode(q, kl, vl, combine=combine, return_lse=True)
             name = f"N={N} {layout} {combine}"
             c.close(name + " out", o, ref_o, 1e-5)
             c.close(name + " lse", lse, ref_l, 1e-5)
-            c.close(name + " vs paper", o.flatten(), got[0] if got else o.flatten(), 1e-6)
+            if combine != "paper":
+                c.close(name + " vs paper", o, paper, 1e-6)
             got += [o.flatten(), lse.flatten()]
         c.same_everywhere(f"N={N} {layout}", torch.cat(got))
 
@@ -394,7 +395,6 @@ def test_empty_and_masked_local():
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 @pytest.mark.parametrize("B,Hq,Hkv,n,D,L,splits,dtype", [
     (2, 4, 2, 1, 16, 37, None, torch.float32),   # GQA, one tile
     (1, 4, 1, 3, 24, 200, 3, torch.float32),     # MQA, 3 query tokens, D not a power of 2, splits
@@ -421,12 +421,16 @@ def test_triton_matches_torch(B, Hq, Hkv, n, D, L, splits, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,bias", [(1, False), (4, True)])
 def test_triton_gpu(dtype, n, bias):
-    """Realistic shapes on the GPU: Triton kernel vs fp64 reference; bf16 within its rounding."""
+    """Realistic shapes on the GPU: Triton kernel vs fp64 reference on the same (rounded) inputs;
+    bf16 within the rounding of P."""
     B, Hq, Hkv, D, L = 2, 8, 2, 128, 5000
-    q, k, v = (torch.randn(*s, device="cuda") for s in ((B, Hq, n, D), (B, Hkv, L, D), (B, Hkv, L, D)))
+    q, k, v = (torch.randn(*s, device="cuda").to(dtype)
+               for s in ((B, Hq, n, D), (B, Hkv, L, D), (B, Hkv, L, D)))
     b = torch.randn(B, Hq, n, L, device="cuda") if bias else None
     want_o, want_l = ref_attn(q, k, v, b)
-    o, lse = attn_partial(q.to(dtype), k.to(dtype), v.to(dtype), bias=b, impl="triton")
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    assert (o.double() - want_o).abs().max() < tol
-    assert (lse.double() - want_l).abs().max() < (1e-5 if dtype == torch.float32 else 5e-2)
+    o, lse = attn_partial(q, k, v, bias=b, impl="triton")
+    if dtype == torch.float32:
+        assert (o.double() - want_o).abs().max() < 1e-5
+    else:  # fp32 math, P rounded to bf16 before P @ V: ||err|| / ||out|| <= 1.7e-3 seen; 3x margin
+        assert (o.double() - want_o).norm() / want_o.norm() < 5e-3
+    assert (lse.double() - want_l).abs().max() < 1e-5  # fp32 statistics of exact bf16 products
