@@ -309,6 +309,96 @@ def test_forget_gate_bias_init():
     assert torch.all(model.blocks[0].attn.fgate.bias == 2.5)
 
 
+def rms(x, weight, eps):
+    """RMSNorm over the last axis, written out."""
+    return x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * weight
+
+
+def pro_layer(name):
+    """The first attention layer of a tiny fp64 Pro model, with its norm scales drawn away from 1."""
+    torch.manual_seed(0)
+    attn = GPT(tiny(**VARIANTS[name])).double().blocks[0].attn
+    for norm in (attn.q_norm, attn.k_norm, attn.out_norm):
+        torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return attn
+
+
+def pro_layer_reference(attn, x):
+    """fox.md eqs 15-23 one head at a time: KV-shift of the raw k, v (k~_0 = v~_0 = 0), QK-norm,
+    forgetting attention scaled by 1/sqrt(d_h), per-head output RMSNorm, sigmoid output gate, o_proj."""
+    H, D, T = attn.n_head, attn.head_dim, x.size(1)
+    W_q, W_k, W_v = attn.qkv.weight.chunk(3)
+    alpha = torch.sigmoid(x @ attn.shift.weight.T)        # (B, T, 2H): the keys' H heads, then the values'
+    log_f = F.logsigmoid(attn.fgate(x))                    # (B, T, H)
+    gate = torch.sigmoid(x @ attn.ogate.weight.T)
+    previous = lambda t: torch.cat([torch.zeros_like(t[:, :1]), t[:, :-1]], dim=1)
+    w_q, w_k = (n.weight.expand(H, 1, D)[:, 0] for n in (attn.q_norm, attn.k_norm))
+    future = torch.ones(T, T, dtype=torch.bool).triu(1)
+    heads = []
+    for h in range(H):
+        cols = slice(h * D, (h + 1) * D)
+        q, k, v = x @ W_q[cols].T, x @ W_k[cols].T, x @ W_v[cols].T
+        a_k, a_v = alpha[..., h, None], alpha[..., H + h, None]
+        k = rms(a_k * previous(k) + (1 - a_k) * k, w_k[h], attn.k_norm.eps)
+        v = a_v * previous(v) + (1 - a_v) * v
+        q = rms(q, w_q[h], attn.q_norm.eps)
+        c = log_f[..., h].cumsum(-1)
+        logits = q @ k.transpose(1, 2) / D ** 0.5 + c[:, :, None] - c[:, None, :]
+        o = logits.masked_fill(future, -torch.inf).softmax(-1) @ v
+        heads.append(rms(o, attn.out_norm.weight[h, 0], attn.out_norm.eps) * gate[..., cols])
+    return attn.out(torch.cat(heads, dim=-1))
+
+
+@pytest.mark.parametrize("name", ["fox_pro", "fox_pro_per_head_qk_norm"])
+def test_fox_pro_layer_equals_per_head_reference(name):
+    """fox.md I11: the fused FoX (Pro) layer equals eqs 15-23 written out per head."""
+    attn = pro_layer(name)
+    x = torch.randn(2, 13, 32, dtype=torch.float64)
+    torch.testing.assert_close(attn(x, None), pro_layer_reference(attn, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("alpha_k, alpha_v", [(0, 0), (1, 1), (1, 0), (0, 1)])
+def test_kv_shift_with_saturated_gates(alpha_k, alpha_v):
+    """fox.md I12: alpha = 0 leaves k~ (v~) as is; alpha = 1 gives x_t = x~_{t-1} and x_1 = 0."""
+    attn = pro_layer("fox_pro")
+    H = attn.n_head
+    attn.shift = torch.nn.Linear(32, 2 * H).double()      # zero weights, bias +-1e4: sigmoid is exactly 1 or 0
+    torch.nn.init.zeros_(attn.shift.weight)
+    torch.nn.init.constant_(attn.shift.bias[:H], 1e4 if alpha_k else -1e4)
+    torch.nn.init.constant_(attn.shift.bias[H:], 1e4 if alpha_v else -1e4)
+    k, v = torch.randn(2, 2, H, 9, 8, dtype=torch.float64)
+    shifted_k, shifted_v = attn.kv_shift(torch.randn(2, 9, 32, dtype=torch.float64), k, v, None)
+    for raw, shifted, alpha in [(k, shifted_k, alpha_k), (v, shifted_v, alpha_v)]:
+        expected = F.pad(raw, (0, 0, 1, 0))[:, :, :-1] if alpha else raw
+        assert torch.equal(shifted, expected)
+
+
+@pytest.mark.parametrize("norm", ["q_norm", "k_norm", "out_norm"])
+@pytest.mark.parametrize("name", ["fox_pro", "fox_pro_per_head_qk_norm"])
+def test_pro_norms_are_per_head(name, norm):
+    """fox.md I13: scaling one head's input to a QK or output norm changes no head's normalised output."""
+    module = getattr(pro_layer(name), norm)
+    x = torch.randn(2, 4, 5, 8, dtype=torch.float64)
+    scaled = x.clone()
+    scaled[:, 1] *= 30.0
+    y, y_scaled = module(x), module(scaled)
+    assert torch.equal(y_scaled[:, [0, 2, 3]], y[:, [0, 2, 3]])
+    torch.testing.assert_close(y_scaled[:, 1], y[:, 1], rtol=1e-4, atol=1e-4)    # up to eps
+
+
+@pytest.mark.parametrize("kw, invariant", [(dict(attention="baseline"), True), (dict(attention="fox"), False),
+                                           (dict(attention="baseline", kv_shift=True), False)],
+                         ids=["llama_no_rope", "forget_gate", "kv_shift"])
+def test_last_output_ignores_order_only_without_positional_signal(kw, invariant):
+    """fox.md I15: without RoPE, forget gate or KV-shift, permuting x_1..x_{L-1} leaves o_L unchanged."""
+    torch.manual_seed(0)
+    attn = GPT(tiny(**{**LLAMA, "pos": "none", **kw})).double().blocks[0].attn
+    x = torch.randn(2, 10, 32, dtype=torch.float64)
+    permuted = torch.cat([x[:, torch.randperm(9)], x[:, -1:]], dim=1)
+    same = torch.allclose(attn(x, None)[:, -1], attn(permuted, None)[:, -1], rtol=1e-10, atol=1e-12)
+    assert same == invariant
+
+
 def test_castle_parameter_layout():
     """Six projections per head plus W_O: 7 n_head d d_model attention parameters."""
     config = tiny(attention="castle", n_embd=64, n_head=3, head_dim=16)
@@ -321,7 +411,8 @@ def test_triton_training_kernels_take_float_scales_as_constexpr():
     promoted the logits to fp64 and broke the compiled CASTLE and FoX models on the GPU; the kernels
     that run inside a compiled model must take their float scales as constexpr."""
     import inspect
-    pytest.importorskip("triton")
+
+    import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail here, not skip)
     from kernels import castle, forgetting
 
     def python_function(kernel):           # through the autotuner / JIT / interpreter wrappers
@@ -356,3 +447,35 @@ def test_rope_keeps_the_projection_layout():
     x = view.detach().contiguous().requires_grad_()
     (g_ref,) = torch.autograd.grad(apply_rope(x, (cos, sin)), x, grad)
     assert torch.allclose(split_heads(g_proj, H), g_ref)
+
+
+def rope_reference(x, theta):
+    """fp64 RoPE, halves convention: channel i pairs with i + D/2 as the complex number
+    x_i + i x_{i+D/2}, which at position m turns by the angle m * theta^(-2i/D)."""
+    T, D = x.shape[-2:]
+    inv_freq = theta ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angle = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
+    z = torch.complex(x[..., :D // 2], x[..., D // 2:]) * torch.polar(torch.ones_like(angle), angle)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+@pytest.mark.parametrize("theta", [GPTConfig.rope_theta, 500000.0])   # LLaMA and Transformer (Pro)
+@pytest.mark.parametrize("layout", ["contiguous", "projection_view"])
+def test_rope_matches_the_rotation_formula(layout, theta):
+    """apply_rope with rope_tables equals the rotation formula, for both memory layouts it handles."""
+    B, H, T, D = 2, 3, 50, 16
+    x = torch.randn(B, H, T, D, dtype=torch.float64)
+    if layout == "projection_view":
+        x = split_heads(x.transpose(1, 2).reshape(B, T, H * D), H)
+    rotated = apply_rope(x, rope_tables(D, T, theta))
+    torch.testing.assert_close(rotated, rope_reference(x, theta), rtol=0, atol=1e-5)
+
+
+def test_rope_scores_depend_only_on_the_offset():
+    """After RoPE, q_m . k_n depends only on m - n: the score matrix of one q and one k is Toeplitz."""
+    T, D = 40, 16
+    q, k = (torch.randn(1, 1, 1, D, dtype=torch.float64).repeat(1, 1, T, 1) for _ in range(2))
+    rope = rope_tables(D, T, GPTConfig.rope_theta)
+    scores = (apply_rope(q, rope) @ apply_rope(k, rope).transpose(-1, -2))[0, 0]
+    torch.testing.assert_close(scores[1:, 1:], scores[:-1, :-1], rtol=0, atol=1e-5)  # (m+1, n+1) ~ (m, n)
+    assert (scores - scores[0, 0]).abs().max() > 0.1      # yet the offset matters
