@@ -20,6 +20,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture
+def nan_filled_empty():
+    """torch.empty / empty_like / new_empty return NaN-filled floats (deterministic mode), so outputs
+    the kernels leave unwritten show up as NaN; ops with no deterministic version only warn."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    yield
+    torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _fix_triton_interpreter():
     """Work around three Triton 3.6 interpreter bugs for every CPU test of a Triton kernel (the

@@ -16,28 +16,43 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+import triton  # noqa: F401  (pinned in CI: a broken install must fail these tests, not skip them)
 
 from kernels import castle
 from kernels.castle import CastleCache, TritonConfig, castle_attn, castle_decode, castle_prefill
 
-HAS_TRITON = castle.triton is not None
-needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 TILE16 = TritonConfig(16, 16, 4, 16, 16, 4, 1)
 TILE32_16 = TritonConfig(32, 16, 4, 16, 16, 4, 1)  # row tiles of two key tiles; backward rows < forward rows
 TILE32 = TritonConfig(32, 16, 4, 32, 16, 4, 1)     # row tiles of two key tiles in both passes
 
 
 def rel(a, b):
-    """||a - b|| / ||b||; for an exactly-zero reference (e.g. L = 1 gradients) the RMS of a instead."""
+    """||a - b|| / ||b||; for an exactly-zero reference (e.g. L = 1 gradients) the RMS of a instead.
+    A NaN (an unwritten output) gives inf, since max() over a list of errors would skip a NaN."""
     a, b = a.double(), b.double()
     if b.norm() == 0:
-        return (a.norm() / math.sqrt(a.numel())).item()
-    return ((a - b).norm() / b.norm()).item()
+        err = (a.norm() / math.sqrt(a.numel())).item()
+    else:
+        err = ((a - b).norm() / b.norm()).item()
+    return err if math.isfinite(err) else math.inf
+
+
+# every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
 def inputs(B, H, L, D, dtype=torch.float64, device="cpu", grad=False):
     return [torch.randn(B, H, L, D, dtype=torch.float64, device=device).to(dtype).requires_grad_(grad)
             for _ in range(6)]
+
+
+def lookahead_keys(qu, ku, vu, t, window=None, scale=None):
+    """U^t of eq (3) (rows 0..t-1), fp64."""
+    scale = qu.shape[-1] ** -0.5 if scale is None else scale
+    i = torch.arange(t)[:, None]
+    j = torch.arange(t)[None, :]
+    allowed = (i < j) & ((j <= i + window) if window is not None else True)
+    return torch.where(allowed, torch.sigmoid(scale * qu[..., :t, :] @ ku[..., :t, :].mT), 0.0) @ vu[..., :t, :]
 
 
 def recurrent(qc, kc, vc, qu, ku, vu, window=None, scale=None):
@@ -46,23 +61,11 @@ def recurrent(qc, kc, vc, qu, ku, vu, window=None, scale=None):
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty_like(qc)
     for t in range(1, L + 1):
-        i = torch.arange(t)[:, None]
-        j = torch.arange(t)[None, :]
-        allowed = (i < j) & ((j <= i + window) if window is not None else True)
-        ut = torch.where(allowed, torch.sigmoid(scale * qu[..., :t, :] @ ku[..., :t, :].mT), 0.0) @ vu[..., :t, :]
+        ut = lookahead_keys(qu, ku, vu, t, window, scale)
         q = qc[..., t - 1:t, :]
         score = scale * q @ kc[..., :t, :].mT - F.silu(scale * q @ ut.mT)
         out[..., t - 1:t, :] = torch.softmax(score, dim=-1) @ vc[..., :t, :]
     return out
-
-
-def lookahead_keys(qu, ku, vu, t, window=None):
-    """U^t of eq (3) (rows 0..t-1), fp64."""
-    scale = qu.shape[-1] ** -0.5
-    i = torch.arange(t)[:, None]
-    j = torch.arange(t)[None, :]
-    allowed = (i < j) & ((j <= i + window) if window is not None else True)
-    return torch.where(allowed, torch.sigmoid(scale * qu[..., :t, :] @ ku[..., :t, :].mT), 0.0) @ vu[..., :t, :]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -115,11 +118,13 @@ def test_golden_example_2_and_scaling():
     assert (castle_attn(*xs, impl="torch")[0, 0, 3] - wrong).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("window", [None, 0, 1, 2, 3, 4, 5, 13, 11, 40])
-def test_parallel_matches_recurrent(window):
+def test_parallel_matches_recurrent(window, scale):
     """Invariant 1; windows around the 4-block size used elsewhere (B - 1, B, B + 1, 3B + 1, L - 1, >= L)."""
     xs = inputs(2, 2, 12, 4)
-    assert rel(castle_attn(*xs, window=window, impl="torch"), recurrent(*xs, window=window)) < 1e-13
+    out = castle_attn(*xs, window=window, scale=scale, impl="torch")
+    assert rel(out, recurrent(*xs, window=window, scale=scale)) < 1e-13
 
 
 def test_window_limits():
@@ -169,14 +174,15 @@ def _fwd_bwd(fn, xs, go):
     return out, torch.autograd.grad(out, xs, go.to(out.dtype))
 
 
-@pytest.mark.parametrize("L,bs", [(1, 4), (13, 4), (16, 4), (23, 8)])
+@pytest.mark.parametrize("L,bs,scale", [(1, 4, None), (13, 4, None), (13, 4, 0.3), (16, 4, None), (23, 8, None)])
 @pytest.mark.parametrize("window", [None, 0, 1, 3, 4, 5, 9, 30])
-def test_blockwise_matches_reference(L, bs, window):
+def test_blockwise_matches_reference(L, bs, scale, window):
     """Invariant 5 for the PyTorch block algorithm, forward and all six gradients, fp64."""
     xs = inputs(2, 2, L, 5)
     go = torch.randn(2, 2, L, 5, dtype=torch.float64)
-    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), xs, go)
-    out, g = _fwd_bwd(lambda *a: castle._CastleBlockwise.apply(*a, window, 5 ** -0.5, bs), xs, go)
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, scale=scale, impl="torch"), xs, go)
+    scale = 5 ** -0.5 if scale is None else scale
+    out, g = _fwd_bwd(lambda *a: castle._CastleBlockwise.apply(*a, window, scale, bs), xs, go)
     assert rel(out, ref) < 1e-12
     assert max(rel(a, b) for a, b in zip(g, gref)) < 1e-11
 
@@ -202,52 +208,42 @@ def test_blockwise_state_and_bf16():
 # Triton kernels (interpreter on CPU)
 
 TRITON_CASES = [
-    # L, D, window, config, dtype
-    (1, 32, None, TILE16, torch.float32),
-    (17, 32, None, TILE16, torch.float32),
-    (37, 32, None, TILE16, torch.float32),
-    (37, 32, 1, TILE16, torch.float32),
-    (37, 32, 5, TILE16, torch.float32),
-    (37, 32, 16, TILE16, torch.float32),
-    (37, 32, 17, TILE16, torch.float32),
-    (37, 32, 100, TILE16, torch.float32),
-    (37, 32, 0, TILE16, torch.float32),
-    (37, 64, None, TILE32_16, torch.float32),
-    (40, 64, 7, TILE32, torch.float32),
-    (33, 64, None, TILE32, torch.float32),
-    (70, 32, 20, TILE32, torch.float32),
-    (21, 96, None, TILE16, torch.float32),
-    (21, 96, 5, TILE16, torch.float32),
-    (37, 24, None, TILE16, torch.float32),
-    (37, 32, None, TILE16, torch.bfloat16),
-    (37, 64, 5, TILE32_16, torch.bfloat16),
-    (17, 96, 40, TILE16, torch.bfloat16),
+    # L, D, window, config, dtype, scale (None: D ** -0.5)
+    (1, 32, None, TILE16, torch.float32, None),
+    (17, 32, None, TILE16, torch.float32, None),
+    (37, 32, None, TILE16, torch.float32, None),
+    (37, 32, 1, TILE16, torch.float32, None),
+    (37, 32, 5, TILE16, torch.float32, None),
+    (37, 32, 5, TILE16, torch.float32, 0.3),
+    (37, 32, 16, TILE16, torch.float32, None),
+    (37, 32, 17, TILE16, torch.float32, None),
+    (37, 32, 100, TILE16, torch.float32, None),
+    (37, 32, 0, TILE16, torch.float32, None),
+    (37, 64, None, TILE32_16, torch.float32, None),
+    (40, 64, 7, TILE32, torch.float32, None),
+    (33, 64, None, TILE32, torch.float32, None),
+    (70, 32, 20, TILE32, torch.float32, None),
+    (21, 96, None, TILE16, torch.float32, None),
+    (21, 96, 5, TILE16, torch.float32, None),
+    (37, 24, None, TILE16, torch.float32, None),
+    (37, 32, None, TILE16, torch.bfloat16, None),
+    (37, 64, 5, TILE32_16, torch.bfloat16, None),
+    (17, 96, 40, TILE16, torch.bfloat16, None),
 ]
 
 
-def _poisoned_empty(monkeypatch):
-    """Every buffer the kernels allocate with torch.empty starts as NaN: unwritten outputs show up."""
-    real_empty = torch.empty
-
-    def empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    monkeypatch.setattr(castle.torch, "empty", empty)
-
-
-@needs_triton
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
-@pytest.mark.parametrize("L,D,window,cfg,dtype", TRITON_CASES)
-def test_triton_matches_reference(L, D, window, cfg, dtype, variant, monkeypatch):
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("L,D,window,cfg,dtype,scale", TRITON_CASES)
+def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
     """Invariants 5 and 6 for the kernels: forward and all six gradients vs fp64 autograd, for every
     backward variant (CASTLE_BWD_VARIANT)."""
-    _poisoned_empty(monkeypatch)
     cfg = dataclasses.replace(cfg, bwd_variant=variant)
     xs = inputs(2, 3, L, D, dtype)
     go = torch.randn(2, 3, L, D).to(dtype)
-    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
-    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, window, D ** -0.5, cfg), xs, go)
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, scale=scale, impl="torch"),
+                         [x.double() for x in xs], go)
+    scale = D ** -0.5 if scale is None else scale
+    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, window, scale, cfg), xs, go)
     assert out.dtype == dtype and all(t.dtype == dtype for t in g)
     assert torch.isfinite(out).all() and all(torch.isfinite(t).all() for t in g)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
@@ -256,14 +252,12 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, variant, monkeypatch
     assert max(errs) < 2 * tol, errs
 
 
-@needs_triton
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
-def test_triton_backward_head_groups(variant, monkeypatch):
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+def test_triton_backward_head_groups(variant):
     """The backward launches heads in groups of _BWD_HEAD_GROUP: B*H = 10 makes a full group and a
     partial one, and every head's gradients must still be its own."""
     B, H, L, D = 2, 5, 33, 32
     assert B * H > castle._BWD_HEAD_GROUP and B * H % castle._BWD_HEAD_GROUP != 0
-    _poisoned_empty(monkeypatch)
     xs = inputs(B, H, L, D, torch.float32)
     go = torch.randn(B, H, L, D)
     cfg = dataclasses.replace(TILE16, bwd_variant=variant)
@@ -272,8 +266,7 @@ def test_triton_backward_head_groups(variant, monkeypatch):
     assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
 
 
-@needs_triton
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 def test_triton_backward_twice(variant):
     """retain_graph: a second backward gives the same gradients (no variant consumes the saved U)."""
     xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
@@ -285,15 +278,13 @@ def test_triton_backward_twice(variant):
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(first, second))
 
 
-@needs_triton
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS if HAS_TRITON else [None])
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("window", [None, 37])
-def test_triton_gpu_default_tiles(D, window, variant, monkeypatch):
+def test_triton_gpu_default_tiles(D, window, variant):
     """The tiles a GPU runs by default (_gpu_config, bf16) on a shape crossing several blocks of each
     (L = 173: ragged tails; W = 37 ends inside blocks): forward and all six gradients vs fp64
     autograd. On CPU this checks the schedule at those tiles (the gpu tests check the bf16 numerics)."""
-    _poisoned_empty(monkeypatch)
     L, dtype = 173, torch.bfloat16
     cfg = castle._gpu_config(D, dtype, variant)
     xs = inputs(1, 2, L, D, dtype)
@@ -308,7 +299,6 @@ def test_triton_gpu_default_tiles(D, window, variant, monkeypatch):
     assert max(errs) < 2 * tol, errs
 
 
-@needs_triton
 def test_triton_public_api_and_strides():
     """impl="triton" through castle_attn, on views of one fused projection (shared non-unit strides)."""
     B, H, L, D = 2, 2, 20, 32
@@ -322,7 +312,6 @@ def test_triton_public_api_and_strides():
     assert rel(out, ref) < 2e-6 and rel(g, gref) < 4e-6
 
 
-@needs_triton
 @pytest.mark.parametrize("window", [None, 3, 20])
 def test_triton_saved_state(window):
     """Invariant 5: the kernel's U buffer holds U^t at t = save_t; lse is the row logsumexp (log2)."""
@@ -349,9 +338,9 @@ def test_triton_saved_state(window):
 # UQ-KV cache: prefill + decode
 
 
-def _decode_all(xs, prompt, window, max_len=None):
+def _decode_all(xs, prompt, window, max_len=None, scale=None):
     """Prefill `prompt` positions, then decode the rest one at a time; checks the cache at every step."""
-    out, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, max_len=max_len)
+    out, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, scale=scale, max_len=max_len)
     outs = [out]
     u_dtype = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
     for t in range(prompt, xs[0].shape[-2]):
@@ -431,11 +420,12 @@ def test_decode_swl_freezes_old_rows():
 
 @pytest.mark.parametrize("window", [None, 70])
 def test_prefill_several_blocks(window):
-    """A prompt spanning several 64-row blocks of the blockwise prefill, then decode steps."""
+    """A prompt spanning several 64-row blocks of the blockwise prefill, then decode steps, at a
+    non-default scale (kept in the cache for the decode steps)."""
     xs = inputs(1, 2, 140, 4)
-    got, cache = _decode_all(xs, 133, window)
-    assert rel(got, castle_attn(*xs, window=window, impl="torch")) < 1e-13
-    assert rel(cache.u, lookahead_keys(*xs[3:], 140, window)) < 1e-13
+    got, cache = _decode_all(xs, 133, window, scale=0.3)
+    assert rel(got, castle_attn(*xs, window=window, scale=0.3, impl="torch")) < 1e-13
+    assert rel(cache.u, lookahead_keys(*xs[3:], 140, window, scale=0.3)) < 1e-13
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
