@@ -29,7 +29,8 @@ from tests.test_model import VARIANTS   # every attention variant and block styl
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 TINY = {"vocab_size": 50304, "block_size": 64, "n_layer": 1, "n_head": 2, "n_embd": 32}
 NO_DATA = "needs the local benchmark copies (../shared/data/eval; .ci/run requires them)"
-needs_data = pytest.mark.skipif(not data_root().is_dir(), reason=NO_DATA)
+HAS_DATA = data_root().is_dir()
+needs_data = pytest.mark.skipif(not HAS_DATA, reason=NO_DATA)
 
 
 @pytest.fixture(scope="module")
@@ -286,7 +287,7 @@ def eval_run(overrides):
 @pytest.fixture(scope="module")
 def evaluated_checkpoint(tiny_checkpoint):
     """The tiny run after eval.py's long-context, needle and (offline) lm_eval tasks; -> (run dir, results)."""
-    if not data_root().is_dir():
+    if not HAS_DATA:                         # a fixture cannot take the needs_data mark
         pytest.skip(NO_DATA)
     ckpt = f"ckpt={tiny_checkpoint}"
     eval_run([ckpt, "eval.tasks=[long_context,niah]", "long_context.num_seqs=3", "long_context.min_len=64",

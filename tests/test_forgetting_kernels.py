@@ -14,6 +14,8 @@ import torch.nn.functional as F
 from kernels.forgetting import _reverse_cumsum, fgate_cumsum, forgetting_attn, forgetting_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+# every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
+pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
 # gate logit ranges (fox.md I2): log f = logsigmoid(logit)
@@ -27,10 +29,6 @@ def rel_err(a, b):
     a, b = a.double(), b.double()
     err = ((a - b).norm() / b.norm().clamp_min(1.0)).item()
     return err if math.isfinite(err) else math.inf
-
-
-# every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
-pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
 def make_inputs(B, H, L, D, dtype=torch.float32, decay="mixed", device=DEV):
