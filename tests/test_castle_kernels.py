@@ -204,6 +204,36 @@ def test_blockwise_state_and_bf16():
     assert rel(out, castle_attn(*[x.double() for x in xb], impl="torch")) < 1e-2
 
 
+def test_blockwise_backward_rebuilds_u_to_zero():
+    """Invariant 6: the backward undoes every update of U (eq 33), so the state it started from comes
+    back as zeros, up to the rounding of the subtractions."""
+    L, bs = 23, 4
+    xs = inputs(2, 3, L, 5)
+    blocks = [castle._to_blocks(x, bs) for x in xs]
+    out, lse, u = castle._blockwise_forward(*blocks, None, 0.5, bs, keep_last=False)
+    assert u.abs().max() > 0.1
+    do = castle._to_blocks(torch.randn(2, 3, L, 5, dtype=torch.float64), bs)
+    castle._blockwise_backward(do, *blocks, out, lse, u, None, 0.5, bs)
+    assert u.abs().max() < 1e-13
+
+
+def _permuted_fwd_bwd(fn, xs, go):
+    """(outputs and gradients as computed, and as computed on batch- and head-permuted inputs then
+    permuted back): invariant 14, nothing flows between batch items or heads."""
+    pb, ph = torch.randperm(xs[0].shape[0]), torch.randperm(xs[0].shape[1])
+    out, g = _fwd_bwd(fn, xs, go)
+    out_p, g_p = _fwd_bwd(fn, [x[pb][:, ph] for x in xs], go[pb][:, ph])
+    return [out, *g], [t[pb.argsort()][:, ph.argsort()] for t in (out_p, *g_p)]
+
+
+@pytest.mark.parametrize("impl", ["torch", "blockwise"])
+def test_batch_and_head_permutation(impl):
+    xs = inputs(3, 4, 13, 5)
+    go = torch.randn(3, 4, 13, 5, dtype=torch.float64)
+    plain, permuted = _permuted_fwd_bwd(lambda *a: castle_attn(*a, window=3, impl=impl), xs, go)
+    assert max(rel(a, b) for a, b in zip(permuted, plain)) < 1e-14
+
+
 # ----------------------------------------------------------------------------------------------------
 # Triton kernels (interpreter on CPU)
 
@@ -264,6 +294,17 @@ def test_triton_backward_head_groups(variant):
     _, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=5, impl="torch"), [x.double() for x in xs], go)
     _, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 5, D ** -0.5, cfg), xs, go)
     assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
+
+
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+def test_triton_batch_and_head_permutation(variant):
+    """Invariant 14 for the kernels, with B*H = 10 across two backward head groups."""
+    xs = inputs(2, 5, 21, 32, torch.float32)
+    go = torch.randn(2, 5, 21, 32)
+    cfg = dataclasses.replace(TILE16, bwd_variant=variant)
+    plain, permuted = _permuted_fwd_bwd(lambda *a: castle._attn_triton(*a, 5, 32 ** -0.5, cfg), xs, go)
+    assert torch.equal(permuted[0], plain[0])  # the forward is deterministic
+    assert max(rel(a, b) for a, b in zip(permuted, plain)) < 1e-6
 
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
