@@ -403,17 +403,25 @@ def test_three_pass_permutation():
     assert sum(p.numel() for p in m.parameters()) == 2 * d * H * H + H * d * d
 
 
-def _unit_setup(T_tok=5):
-    cfg = SimConfig(n_embd=48, n_head=4, head_dim=12, n_layer=1, vocab_size=8, block_size=8, mlp_hidden=192,
-                    bias=True, norm_eps=1e-5, pos="learned", lr=0.1, n_layers=1)
-    sim = TinT(cfg, dtype=torch.float64)
+UNIT = dict(n_embd=48, n_head=4, head_dim=12, n_layer=1, vocab_size=8, block_size=8, mlp_hidden=192, bias=True,
+            norm_eps=1e-5, pos="learned", lr=0.1, n_layers=1)
+ODD = dict(n_embd=21, n_head=3, head_dim=7, mlp_hidden=21)     # K = 7, S = 3, D_s = 84, H_L = H_soft = 12
+
+
+def _unit_sim(T_tok=5, **kw):
+    """A one-layer fp64 simulator (its modules are the ones under test), the context of T_tok tokens of
+    which 0..2 are training tokens, and a seeded generator."""
+    sim = TinT(SimConfig(**{**UNIT, **kw}), dtype=torch.float64)
     m = torch.zeros(1, T_tok, dtype=torch.float64)
-    m[:, :3] = 1                                                # tokens 0..2 are training tokens
-    ctx = sim._context(1, T_tok, m)
-    g = torch.Generator().manual_seed(0)
+    m[:, :3] = 1
+    return sim, sim._context(1, T_tok, m), m, torch.Generator().manual_seed(0)
+
+
+def _unit_setup(T_tok=5):
+    sim, ctx, m, g = _unit_sim(T_tok)
     W = torch.randn(48, 48, generator=g, dtype=torch.float64)
     b = torch.randn(48, generator=g, dtype=torch.float64)
-    return cfg, ctx, m, g, W, b
+    return sim.cfg, ctx, m, g, W, b
 
 
 def test_linear_forward_backward_descent_modules():
@@ -457,6 +465,227 @@ def test_context_masks():
                         dtype=torch.float64)
     assert torch.equal(vg, want)
     assert isinstance(ctx, _Ctx) and math.isclose(float(ctx.onehot.sum()), K + 5)
+
+
+def _blk(cfg, b):
+    return slice(b * cfg.n_embd, (b + 1) * cfg.n_embd)
+
+
+def _rows(cfg, g, T_tok, prefix=None, blocks=None):
+    """A simulator input (1, K + T_tok, D_s), random in every channel (so what a module must keep is
+    visible), with the prefix rows and the token-row blocks {block: (T_tok, D)} set."""
+    e = torch.randn(1, cfg.K + T_tok, cfg.D_s, generator=g, dtype=torch.float64)
+    if prefix is not None:
+        e[0, :cfg.K] = prefix
+    for b, x in (blocks or {}).items():
+        e[0, cfg.K:, _blk(cfg, b)] = x
+    return e
+
+
+def _kept(out, e, cfg, blocks, prefix=True):
+    """The token rows outside `blocks` (and the prefix rows if `prefix`) are bitwise the input's."""
+    keep = torch.ones_like(e, dtype=torch.bool)
+    for b in blocks:
+        keep[:, cfg.K:, _blk(cfg, b)] = False
+    keep[:, :cfg.K] = prefix
+    return torch.equal(out[keep], e[keep])
+
+
+def _rand(g, *shape, scale=1.0, shift=0.0):
+    return scale * torch.randn(*shape, generator=g, dtype=torch.float64) + shift
+
+
+# fp64 formulas of the spec, written out (tint.md §1.1, §2.3)
+def _ln(x, eps):
+    mu = x.mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps)
+
+
+def _rms(x, eps):
+    return x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + eps)
+
+
+def _gelu(z):
+    return 0.5 * z * (1 + torch.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+
+
+def _silu(z):
+    return z / (1 + torch.exp(-z))
+
+
+@pytest.mark.parametrize("which, kw", [("o", {}), ("ln2", {}), ("o", {"bias": False})],
+                         ids=["linear", "norm_bias_only", "bias_free"])
+def test_bias_heads(which, kw):
+    """Bias heads (§3.4, §3.6): Linear Forward adds prefix row 0's bias slot (the other rows' copies are
+    never read); [Backward || Descent] ignores the bias on the token rows and takes lr_b sum_train dy from
+    row 0's bias slot only. As wired in the simulator: lr_b = lr_w = lr for linear maps, lr_w = 0 for the
+    norms (the weight slots, diag(gamma) there, stay as they are), lr_b = 0 in bias-free models."""
+    T_tok = 7
+    sim, ctx, m, g = _unit_sim(T_tok, **ODD, **kw)
+    cfg = sim.cfg
+    K, D, S, lr = cfg.K, cfg.n_embd, cfg.S, cfg.lr
+    W, x, dy = _rand(g, D, D), _rand(g, T_tok, D), _rand(g, T_tok, D)
+    P = encode_linear(W, torch.zeros(D, dtype=torch.float64), cfg)
+    P[:, S * D:] = _rand(g, K, D)                              # a different bias copy on every prefix row
+    b0 = P[0, S * D:]
+    e = _rows(cfg, g, T_tok, P, {0: x})
+    out = sim.fwd[0].qkv(e, ctx)
+    assert (out[0, K:, :D] - (x @ W.T + b0)).abs().max() <= 1e-12
+    assert _kept(out, e, cfg, [0])
+    layer = sim.bwd[0].o if which == "o" else sim.bwd[0].ln2[0]
+    lr_w, lr_b = (lr if which == "o" else 0.0), (lr if cfg.bias else 0.0)
+    e = _rows(cfg, g, T_tok, P, {0: dy, S: x})                 # dy on the signal, the layer input in memory
+    out = layer(e, ctx)
+    assert (out[0, K:, :D] - dy @ W).abs().max() <= 1e-12
+    assert _kept(out, e, cfg, [0], prefix=False)
+    mdy = dy * m[0, :, None]
+    W2, _ = decode_linear(out[:, :K], cfg)
+    assert (W2[0] - (W - lr_w * mdy.T @ x)).abs().max() <= 1e-12
+    if lr_w == 0:
+        assert torch.equal(out[0, :K, :S * D], P[:, :S * D])
+    assert (out[0, 0, S * D:] - (b0 - lr_b * mdy.sum(0))).abs().max() <= 1e-12
+    assert torch.equal(out[0, 1:K, S * D:], P[1:, S * D:])
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_group_norm_on_a_block(kind):
+    """Group norm (§3.1 item 3): each listed D-block of the token rows is normalised on its own (the
+    LayerNorm / RMSNorm normaliser with norm_eps); the LN forward module (§3.8) then gives
+    gamma * N(x) + beta on the signal and keeps (N(x), x) in its memory blocks (B_{S-1}, B_S)."""
+    sim, ctx, _, g = _unit_sim(5, **ODD, norm=kind)
+    cfg = sim.cfg
+    K, D, S, eps = cfg.K, cfg.n_embd, cfg.S, cfg.norm_eps
+    N = _ln if kind == "layernorm" else _rms
+    x, y = _rand(g, 5, D, scale=3.0, shift=2.0), _rand(g, 5, D, scale=0.5, shift=-1.0)
+    e = _rows(cfg, g, 5, blocks={0: x, S - 1: y})
+    out = sim.fwd[0].ln1[1](e, ctx)                            # the NormLayer of blocks B0 and B_{S-1}
+    assert (out[0, K:, :D] - N(x, eps)).abs().max() <= 1e-12
+    assert (out[0, K:, _blk(cfg, S - 1)] - N(y, eps)).abs().max() <= 1e-12
+    assert _kept(out, e, cfg, [0, S - 1])
+    gamma, beta = _rand(g, D), _rand(g, D)
+    e = _rows(cfg, g, 5, encode_linear(torch.diag(gamma), beta, cfg), {0: x})
+    out = sim.fwd[0].ln1(e, ctx)
+    assert (out[0, K:, :D] - (gamma * N(x, eps) + beta)).abs().max() <= 1e-12
+    assert (out[0, K:, _blk(cfg, S - 1)] - N(x, eps)).abs().max() <= 1e-12
+    assert torch.equal(out[0, K:, _blk(cfg, S)], x)
+    assert _kept(out, e, cfg, [0, S - 1, S])
+
+
+FD_EPS = (1e-2, 1e-3, 1e-4, 1e-5, 1e-6)
+
+
+def _check_fd(run, formula, exact):
+    """A finite-difference module at every fd_eps in FD_EPS: run(eps) is the module's output, formula(eps)
+    the difference quotient written out. The two agree to the rounding of a quotient (1e-14 / eps: 1e-12
+    at eps = 1e-2, a non-default eps, so the module must take eps from its configuration); as eps -> 0 the
+    module tends to the exact derivative at first order (error / 10 per decade, 1e-5 relative at 1e-6)."""
+    errs = []
+    for eps in FD_EPS:
+        out = run(eps)
+        assert (out - formula(eps)).abs().max() <= 1e-14 / eps, eps
+        errs.append(((out - exact).norm() / exact.norm()).item())
+    assert all(0.05 * a <= b <= 0.2 * a for a, b in zip(errs, errs[1:])), errs
+    assert errs[-1] <= 1e-5, errs
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norm_backward_fd_module(kind):
+    """Norm backward (§3.8) with the memory (N(x), x): the signal becomes FD_N(x, gamma dy) =
+    (N(x + eps gamma dy) - N(x)) / eps -> J_N (gamma dy), J_N = (I - 11^T / D - z z^T / D) / sigma
+    (LayerNorm; RMSNorm: (I - z z^T / D) / rms); in parallel beta -= lr sum_train dy (LayerNorm only),
+    gamma kept; the memory blocks are kept."""
+    g = torch.Generator().manual_seed(1)
+    D, eps_n = ODD["n_embd"], UNIT["norm_eps"]
+    N = _ln if kind == "layernorm" else _rms
+    x, dy, gamma, beta = _rand(g, 5, D, scale=2.0, shift=1.0), _rand(g, 5, D), _rand(g, D), _rand(g, D)
+    gd, z = gamma * dy, N(x, eps_n)
+    xc = x - x.mean(-1, keepdim=True) if kind == "layernorm" else x
+    sigma = torch.sqrt((xc ** 2).mean(-1, keepdim=True) + eps_n)
+    exact = (gd - z * (z * gd).mean(-1, keepdim=True) - (gd.mean(-1, keepdim=True) if kind == "layernorm" else 0))
+    exact = exact / sigma
+
+    def run(eps):
+        sim, ctx, m, _ = _unit_sim(5, **ODD, norm=kind, fd_eps=eps)
+        cfg = sim.cfg
+        K, S = cfg.K, cfg.S
+        P = encode_linear(torch.diag(gamma), beta, cfg)
+        e = _rows(cfg, g, 5, P, {0: dy, S - 1: N(x, eps_n), S: x})
+        out = sim.bwd[0].ln2(e, ctx)
+        assert _kept(out, e, cfg, [0], prefix=False)
+        if kind == "layernorm":
+            P[0, S * D:] -= cfg.lr * (dy * m[0, :, None]).sum(0)
+        assert (out[0, :K] - P).abs().max() <= 1e-12
+        return out[0, K:, :D]
+
+    _check_fd(run, lambda eps: (N(x + eps * gd, eps_n) - N(x, eps_n)) / eps, exact)
+
+
+def test_activation_backward_fd_module():
+    """Activation backward (§3.9), one MLP with z from memory: the signal becomes FD_sigma(z, dg) =
+    (gelu(z + eps dg) - gelu(z)) / eps -> gelu'(z) dg (GPT-2's tanh GELU); everything else kept."""
+    g = torch.Generator().manual_seed(2)
+    D = ODD["n_embd"]
+    z, dg = _rand(g, 5, D, scale=2.0), _rand(g, 5, D)
+    c = math.sqrt(2 / math.pi)
+    t = torch.tanh(c * (z + 0.044715 * z ** 3))
+    exact = (0.5 * (1 + t) + 0.5 * z * (1 - t ** 2) * c * (1 + 3 * 0.044715 * z ** 2)) * dg
+
+    def run(eps):
+        sim, ctx, _, _ = _unit_sim(5, **ODD, fd_eps=eps)
+        e = _rows(sim.cfg, g, 5, blocks={0: dg, sim.cfg.S: z})
+        out = sim.bwd[0].act(e, ctx)
+        assert _kept(out, e, sim.cfg, [0])
+        return out[0, sim.cfg.K:, :D]
+
+    _check_fd(run, lambda eps: (_gelu(z + eps * dg) - _gelu(z)) / eps, exact)
+
+
+def test_glu_backward_fd_module():
+    """SwiGLU backward (Def. I.7, §5.4 item 2), one GLU layer with (a, b) = (gate, up) pre-activations from
+    memory (B_{S-1}, B_S) and dm on the signal: d_gate = (silu(a + eps dm) - silu(a)) b / eps ->
+    silu'(a) dm b on the signal, d_up = silu(a) dm (exact) in B_{S-1}."""
+    g = torch.Generator().manual_seed(3)
+    D = 28
+    kw = dict(n_embd=D, n_head=4, head_dim=7, mlp_hidden=D, norm="rmsnorm", mlp="swiglu", bias=False)  # K = 7, S = 4
+    a, b, dm = _rand(g, 5, D, scale=2.0), _rand(g, 5, D), _rand(g, 5, D)
+    sa = torch.sigmoid(a)
+    exact = sa * (1 + a * (1 - sa)) * dm * b
+
+    def run(eps):
+        sim, ctx, _, _ = _unit_sim(5, **kw, fd_eps=eps)
+        cfg = sim.cfg
+        e = _rows(cfg, g, 5, blocks={0: dm, cfg.S - 1: a, cfg.S: b})
+        out = sim.bwd[0].glu(e, ctx)
+        assert (out[0, cfg.K:, _blk(cfg, cfg.S - 1)] - _silu(a) * dm).abs().max() <= 1e-12
+        assert _kept(out, e, cfg, [0, cfg.S - 1])
+        return out[0, cfg.K:, :D]
+
+    _check_fd(run, lambda eps: (_silu(a + eps * dm) - _silu(a)) * b / eps, exact)
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["forward", "transposed"])
+def test_softmax_attention_modules(transpose):
+    """Self-attention (§3.10) with q, k in B_{S-2}, B_{S-1} and the values on the signal, per auxiliary
+    head h: A^h = causal softmax(q^h k^hT / sqrt(d_a)) over the tokens (prefix columns masked). The
+    forward module gives a^h = A^h v^h; the dv module (T1) gives A^hT da^h, row t using column j iff
+    j == t or j > t with m_j = 1. Everything but the signal, and the prefix rows, kept. 7 heads of
+    d_a = 3 in the simulator's 12 heads of 7."""
+    T_tok = 7                                                   # tokens 0..2 train, 3..6 test
+    sim, ctx, m, g = _unit_sim(T_tok, **{**ODD, "n_head": 7, "head_dim": 3})
+    cfg = sim.cfg
+    K, D, S, H, da = cfg.K, cfg.n_embd, cfg.S, cfg.n_head, cfg.head_dim
+    q, k, v = _rand(g, T_tok, D, scale=1.5), _rand(g, T_tok, D, scale=1.5), _rand(g, T_tok, D)
+    e = _rows(cfg, g, T_tok, blocks={0: v, S - 2: q, S - 1: k})
+    out = (sim.bwd[0] if transpose else sim.fwd[0]).softmax(e, ctx)
+    t, j = torch.arange(T_tok)[:, None], torch.arange(T_tok)[None, :]
+    use = (j == t) | ((j > t) & m[0].bool()[None, :])           # use[t, j] for A^T
+    want = torch.empty(T_tok, D, dtype=torch.float64)
+    for h in range(H):
+        sl = slice(h * da, (h + 1) * da)
+        A = torch.softmax((q[:, sl] @ k[:, sl].T / math.sqrt(da)).masked_fill(j > t, float("-inf")), -1)
+        want[:, sl] = (A.T * use) @ v[:, sl] if transpose else A @ v[:, sl]
+    assert (out[0, K:, :D] - want).abs().max() <= 1e-12
+    assert _kept(out, e, cfg, [0])
 
 
 # ---------------------------------------------------------------------------- the eval.py driver
