@@ -11,12 +11,15 @@ import json
 import os
 import tempfile
 import traceback
+from collections import Counter
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.tensor.debug import CommDebugMode
+from torch.utils._pytree import tree_flatten
 import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail, not skip)
 
 from kernels import tree
@@ -267,19 +270,59 @@ def check_castle(c):
             c.close(f"window={window} t={t}", o, want, 1e-5)
 
 
+class CommLog(CommDebugMode):
+    """CommDebugMode that also logs every c10d op (collective or not) as
+    (op, reduce op or None, ((shape, dtype) of each tensor argument, ...))."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "namespace", None) in ("c10d", "_c10d_functional", "c10d_functional"):
+            flat = tree_flatten((args, kwargs))[0]
+            red = [dist.ReduceOp.RedOpType(a.op()).name for a in flat
+                   if isinstance(a, torch.ScriptObject) and a._has_method("op")]
+            tensors = tuple((tuple(a.shape), a.dtype) for a in flat if isinstance(a, torch.Tensor))
+            self.log.append((func._overloadpacket.__name__, red[0] if red else None, tensors))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def budget(combine, rows, d, p):
+    """The collectives of one tree_decode (tree_attention.md §2.2, §5), fp32 whatever the input
+    dtype. rows = (B, Hq, n) is the spec's [b, n, H_q]; den keeps a trailing 1 to divide num."""
+    f32 = torch.float32
+    ar_max = ("allreduce_", "MAX", ((rows, f32),))
+    if combine == "paper":
+        return [ar_max, ("allreduce_", "SUM", ((rows + (d,), f32),)),
+                ("allreduce_", "SUM", ((rows + (1,), f32),))]
+    if combine == "packed":  # [num | den]
+        return [ar_max, ("allreduce_", "SUM", ((rows + (d + 1,), f32),))]
+    # all-gather of [out | lse]: (output: p states stacked on the batch axis, input: this rank's)
+    return [("_allgather_base_", None, (((p * rows[0],) + rows[1:] + (d + 1,), f32),
+                                        (rows + (d + 1,), f32)))]
+
+
 def check_budget(c):
-    """Exactly the configured number and kind of collectives per call."""
-    from torch.distributed.tensor.debug import CommDebugMode
+    """Exactly the configured collectives per call (counted by CommDebugMode, and logged with the
+    spec's payload shapes and fp32 dtype): plain decode, a GQA chunk of n = 3 queries with an empty
+    shard on rank 0, bf16 MQA."""
     gen = c.gen(8)
-    q, k, v = c.to(randn(gen, 2, 4, 1, 16), randn(gen, 2, 2, 9, 16), randn(gen, 2, 2, 9, 16))
-    want = {"paper": {"allreduce_": 3}, "packed": {"allreduce_": 2},
-            "gather": {"_allgather_base_": 1}}
-    for combine in COMBINES:
-        with CommDebugMode() as comm:
-            tree_decode(q, k, v, combine=combine)
-        counts = {op.__name__.split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
-        if counts != want[combine]:
-            c.fails.append(f"{combine}: collectives {counts} != {want[combine]}")
+    for B, Hq, Hkv, n, d, t, dtype in [(2, 4, 2, 1, 16, 9, torch.float32),
+                                       (1, 6, 2, 3, 8, 3 * c.rank, torch.float32),
+                                       (2, 2, 1, 1, 16, 5, torch.bfloat16)]:
+        shapes = (B, Hq, n, d), (B, Hkv, t, d), (B, Hkv, t, d)
+        q, k, v = c.to(*(randn(gen, *s).to(dtype) for s in shapes))
+        for combine in COMBINES:
+            with CommLog() as comm:
+                tree_decode(q, k, v, combine=combine)
+            case = f"{combine} B={B} Hq={Hq} Hkv={Hkv} n={n} d={d} {dtype}"
+            want = budget(combine, (B, Hq, n), d, c.world)
+            counts = {op.__name__.split(".")[-1]: m for op, m in comm.get_comm_counts().items()}
+            if counts != Counter(name for name, *_ in want):
+                c.fails.append(f"{case}: collectives {counts}")
+            if comm.log != want:
+                c.fails.append(f"{case}: payloads {comm.log} != {want}")
 
 
 def check_bf16(c):
@@ -367,7 +410,6 @@ def test_world_size_one():
 
 def test_one_rank_group(tmp_path):
     """A real one-rank process group: the local kernel's bits and no collective."""
-    from torch.distributed.tensor.debug import CommDebugMode
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:
         q, k, v = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
