@@ -155,11 +155,12 @@ MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
 
 # ----------------------------------------------------------------------------- positions
 
-def rope_tables(head_dim, max_len, theta, device=None):
-    """cos/sin tables (max_len, head_dim // 2) in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+def rope_tables(head_dim, max_len, theta, device=None, dtype=torch.float32):
+    """cos/sin tables (max_len, head_dim // 2) in `dtype`, from angles taken in fp64 (in fp32 an angle
+    of ~16K radians, position 16K at the fastest frequency, is off by up to 1e-3)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float64), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rope(x, rope):
@@ -174,7 +175,9 @@ def apply_rope(x, rope):
     heads_inner = x.stride(1) < x.stride(2)
     if heads_inner:
         x, cos, sin = x.transpose(1, 2), cos[:, None], sin[:, None]
-    x1, x2 = x.float().chunk(2, dim=-1)
+    ct = torch.promote_types(x.dtype, torch.float32)  # fp32 for 16-bit activations, fp64 for fp64
+    cos, sin = cos.to(ct), sin.to(ct)
+    x1, x2 = x.to(ct).chunk(2, dim=-1)
     rotated = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
     return rotated.transpose(1, 2) if heads_inner else rotated
 
@@ -538,7 +541,9 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self._rope_len = 0
+        # RoPE tables, built on first use in the model's precision (fp64 models: fp64, else fp32); plain
+        # attributes, so that model.to(dtype) cannot round them to bf16
+        self._rope_len, self._rope_cos, self._rope_sin = 0, None, None
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -561,11 +566,11 @@ class GPT(nn.Module):
         if self.config.pos != "rope":
             return None
         end = start + T
-        if self._rope_len < end or self._rope_cos.device != torch.device(device):
+        dtype = torch.float64 if self.lm_head.weight.dtype == torch.float64 else torch.float32
+        if self._rope_len < end or (self._rope_cos.device, self._rope_cos.dtype) != (torch.device(device), dtype):
             self._rope_len = max(end, self.config.block_size)
-            cos, sin = rope_tables(self.config.head_dim, self._rope_len, self.config.rope_theta, device)
-            self.register_buffer("_rope_cos", cos, persistent=False)
-            self.register_buffer("_rope_sin", sin, persistent=False)
+            self._rope_cos, self._rope_sin = rope_tables(
+                self.config.head_dim, self._rope_len, self.config.rope_theta, device, dtype)
         return self._rope_cos[start:end], self._rope_sin[start:end]
 
     def forward(self, idx, targets=None, cache=None, last_only=False):

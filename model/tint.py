@@ -778,9 +778,9 @@ class TinTAttention(nn.Module):
             proj(self.v_map, self.pos_v, self.lam[2])
         if self.rope_cos is not None:
             # rotate the first d_rot coordinates of every head by the row's position (tables indexed by the
-            # one-hot; prefix rows: no rotation), in fp32 exactly as model.gpt.apply_rope does
+            # one-hot; prefix rows: no rotation), as model.gpt.apply_rope does
             rot = 2 * self.rope_cos.size(1)
-            cs = ((ctx.onehot @ self.rope_cos).float(), (ctx.onehot @ self.rope_sin).float())
+            cs = (ctx.onehot @ self.rope_cos, ctx.onehot @ self.rope_sin)
             q = torch.cat([apply_rope(q[..., :rot], cs), q[..., rot:]], -1)
             k = torch.cat([apply_rope(k[..., :rot], cs), k[..., rot:]], -1)
         s = torch.matmul(q, k.transpose(-1, -2))
@@ -1043,7 +1043,7 @@ class SoftmaxLayer(nn.Module):
         self.att.q_map.set_routes(routes(q_block, 1.0))
         self.att.score_scale = 1 / math.sqrt(da)
         if cfg.pos == "rope":
-            cos, sin = rope_tables(da, cfg.block_size, cfg.rope_theta)
+            cos, sin = rope_tables(da, cfg.block_size, cfg.rope_theta, dtype=dtype)
             z = lambda: nn.Parameter(torch.zeros(cfg.P, da // 2, dtype=dtype, device=device),
                                      requires_grad=False)
             self.att.rope_cos, self.att.rope_sin = z(), z()

@@ -471,6 +471,24 @@ def test_rope_matches_the_rotation_formula(layout, theta):
     torch.testing.assert_close(rotated, rope_reference(x, theta), rtol=0, atol=1e-5)
 
 
+def test_rope_precision_at_long_positions():
+    """Angles are taken in fp64: at 20K positions fp32 tables are within fp32 rounding of the formula
+    (fp32 angles were off by ~2e-3), fp64 tables within fp64 rounding; a GPT builds its tables in its
+    own precision (fp64 models: fp64) and model.to() cannot round them."""
+    T, D = 20000, 16
+    x = torch.randn(1, 2, T, D, dtype=torch.float64)
+    ref = rope_reference(x, GPTConfig.rope_theta)
+    for dtype, tol in ((torch.float32, 2e-6), (torch.float64, 1e-11)):
+        rotated = apply_rope(x, rope_tables(D, T, GPTConfig.rope_theta, dtype=dtype))
+        assert (rotated - ref).abs().max() < tol * x.abs().max(), dtype
+    model = GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16, pos="rope"))
+    for dtype in (torch.float64, torch.float32, torch.float64):
+        model.to(dtype)
+        assert model._rope(0, 8, "cpu")[0].dtype == dtype
+    model.to(torch.bfloat16)
+    assert model._rope(0, 8, "cpu")[0].dtype == torch.float32
+
+
 def test_rope_scores_depend_only_on_the_offset():
     """After RoPE, q_m . k_n depends only on m - n: the score matrix of one q and one k is Toeplitz."""
     T, D = 40, 16
