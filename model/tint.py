@@ -589,6 +589,8 @@ class SimConfig:
         D = self.n_embd
         if self.n_head * self.head_dim != D:
             raise ValueError("the simulator needs n_head * head_dim == n_embd (square D x D maps)")
+        if self.pos == "rope" and self.head_dim % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}; use pos=learned or none")
         min_S = 4 if self.mlp == "swiglu" else 3   # SwiGLU keeps (a, b) in memory next to dh and the sum
         if not self.K:
             S = next((s for s in range(min_S, D + 1) if D % s == 0), None)

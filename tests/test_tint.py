@@ -380,6 +380,8 @@ def test_simulator_rejects_unsupported_models():
     sim = TinT.from_model(aux(), lr=LR)
     with pytest.raises(ValueError):                      # weights of a differently shaped model
         sim.load_aux(aux(LLAMA))
+    with pytest.raises(ValueError, match="even head_dim"):
+        SimConfig(**{**UNIT, "n_embd": 21, "n_head": 3, "head_dim": 7, "mlp_hidden": 21, "pos": "rope"})
 
 
 # ---------------------------------------------------------------------------- module unit tests (I9)
