@@ -9,6 +9,8 @@ Contents
 - `forgetting_attn`: the op; `impl="torch"` is the materialized reference (also works in fp64),
   `impl="triton"` the FlashAttention-2 style kernels below (forward + backward).
 - `fgate_cumsum`, `forgetting_decode`: cached decoding (fox.md §1.6).
+- The gate's fp64 cumsum (split as below) and its adjoint run as one small Triton launch each, so
+  that short sequences are not bound by a dozen host-side torch ops per call.
 
 Precision policy for c (fox.md §1.5, §8.9). An fp32 global cumsum cancels catastrophically:
 with log f ~ -5 at 64K tokens |c| ~ 3e5, so each c_i carries an absolute error of ~0.02 and so
@@ -310,6 +312,52 @@ def _bwd_kernel(Q, K, V, CO, CB, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
 
 
 # ---------------------------------------------------------------------------------------------
+# The gate's cumsum and its adjoint, one launch each (one program per (batch, head) row)
+# ---------------------------------------------------------------------------------------------
+
+@triton.jit
+def _gate_cumsum_kernel(LOGF, CO, CB, L_in, L, CHUNK: tl.constexpr):
+    # log2(e) * cumsum(log f) in fp64, split as _split_c describes: every _C_BLOCK positions' base
+    # (fp64) into CB, each position's fp32 offset from it into CO. Positions L_in..L (padding)
+    # get log f = 0, so c stays constant there.
+    bh = tl.program_id(0).to(tl.int64)
+    LOGF += bh * L_in
+    CO += bh * L
+    CB += bh * (L // _C_BLOCK)
+    carry = tl.zeros([1], tl.float64)  # c before the chunk
+    for start in range(0, L, CHUNK):
+        pos = start + tl.arange(0, CHUNK)
+        log_f = tl.load(LOGF + pos, mask=pos < L_in, other=0.0).to(tl.float64)
+        c = carry + tl.cumsum(log_f, 0)
+        carry = carry + tl.sum(log_f, 0)
+        c = tl.reshape(c * tl.full([1], _LOG2E, tl.float64), (CHUNK // _C_BLOCK, _C_BLOCK))
+        base = tl.sum(tl.where(tl.arange(0, _C_BLOCK)[None, :] == 0, c, 0.0), 1)
+        blocks = start // _C_BLOCK + tl.arange(0, CHUNK // _C_BLOCK)
+        tl.store(CB + blocks, base, mask=blocks < L // _C_BLOCK)
+        tl.store(CO + pos, tl.reshape((c - base[:, None]).to(tl.float32), (CHUNK,)), mask=pos < L)
+
+
+@triton.jit
+def _gate_grad_kernel(DCQ, DCK, DLOGF, L_out, L, CHUNK: tl.constexpr):
+    # d log f_t = sum_{s >= t} dc_s with dc = DCQ + DCK (fox.md §1.4), accumulated in fp64, last
+    # chunk first; only the L_out real positions are written
+    bh = tl.program_id(0).to(tl.int64)
+    DCQ += bh * L
+    DCK += bh * L
+    DLOGF += bh * L_out
+    carry = tl.zeros([1], tl.float64)  # sum of dc after the chunk
+    n_chunks = tl.cdiv(L, CHUNK)
+    for i in range(0, n_chunks):
+        pos = (n_chunks - 1 - i) * CHUNK + tl.arange(0, CHUNK)
+        keep = pos < L_out
+        dc = (tl.load(DCQ + pos, mask=keep, other=0.0) + tl.load(DCK + pos, mask=keep, other=0.0))
+        dc = dc.to(tl.float64)
+        tl.store(DLOGF + pos, (carry + tl.cumsum(dc, 0, reverse=True)).to(DLOGF.dtype.element_ty),
+                 mask=keep)
+        carry = carry + tl.sum(dc, 0)
+
+
+# ---------------------------------------------------------------------------------------------
 # Launch configuration: autotuned on GPU for 16-bit inputs, fixed for fp32 and the interpreter
 # ---------------------------------------------------------------------------------------------
 
@@ -365,13 +413,31 @@ def _dot_prec(dtype):
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
-def _split_c(c):
-    """log2(e) * c (float64, length a multiple of _MAX_BLOCK) as one float64 value per block (its
-    first position's) and every position's fp32 offset from its block's value (a small number)."""
-    c2 = (c * _LOG2E.value).unflatten(-1, (-1, _MAX_BLOCK))
-    blocks = c2[..., 0]
-    offsets = (c2 - blocks[..., None]).flatten(-2).float()
-    return offsets, blocks.contiguous()
+def _gate_chunk(L):
+    """Positions per step of the gate kernels' sequential scan (L is a multiple of _MAX_BLOCK): a
+    power of two and a multiple of _MAX_BLOCK; small under the interpreter, so tests cross chunks."""
+    return min(2 * _MAX_BLOCK if _INTERPRET else 2048, triton.next_power_of_2(L))
+
+
+def _split_c(log_fgate, L):
+    """c = cumsum(log f), float64, times log2(e), padded to length L (log f = 0 there), in two
+    parts: one float64 value per _MAX_BLOCK positions (c at the block's first position) and every
+    position's fp32 offset from its block's value (a small number)."""
+    B, H, L_in = log_fgate.shape
+    offsets = torch.empty(B, H, L, dtype=torch.float32, device=log_fgate.device)
+    blocks = torch.empty(B, H, L // _MAX_BLOCK, dtype=torch.float64, device=log_fgate.device)
+    _gate_cumsum_kernel[(B * H,)](log_fgate.contiguous(), offsets, blocks, L_in, L,
+                                  CHUNK=_gate_chunk(L))
+    return offsets, blocks
+
+
+def _gate_grad(dcq, dck, L_out, dtype):
+    """d log f (B, H, L_out) from the kernels' row and column sums: the reverse cumsum of
+    dc = dcq + dck (fox.md §1.4), in float64."""
+    B, H, L = dcq.shape
+    dlog_fgate = torch.empty(B, H, L_out, dtype=dtype, device=dcq.device)
+    _gate_grad_kernel[(B * H,)](dcq, dck, dlog_fgate, L_out, L, CHUNK=_gate_chunk(L))
+    return dlog_fgate
 
 
 def _triton_fwd(q, k, v, c_parts, scale):
@@ -398,12 +464,7 @@ def _triton_bwd(q, k, v, c_parts, o, lse2, do, scale):
             scale * _LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
             HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype))
-    return dq, dk, dv, dcq + dck
-
-
-def _reverse_cumsum(x):
-    """y_t = sum_{s >= t} x_s along the last axis, accumulated in float64."""
-    return x.to(torch.float64).flip(-1).cumsum(-1).flip(-1).to(x.dtype)
+    return dq, dk, dv, dcq, dck
 
 
 def _pad(x, L, D):
@@ -421,12 +482,10 @@ class _ForgettingAttnTriton(torch.autograd.Function):
         Dp = max(16, triton.next_power_of_2(D))
         q, k, v = (_pad(x, Lp, Dp) for x in (q, k, v))
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        c = fgate_cumsum(log_fgate)
-        c = torch.cat([c, c[..., -1:].expand(*c.shape[:-1], Lp - L)], -1)  # log f = 0 when padded
-        c_parts = _split_c(c)
+        c_parts = _split_c(log_fgate, Lp)
         o, lse2 = _triton_fwd(q, k, v, c_parts, scale)
         ctx.save_for_backward(q, k, v, *c_parts, o, lse2)
-        ctx.scale, ctx.L, ctx.D = scale, L, D
+        ctx.scale, ctx.L, ctx.D, ctx.gate_dtype = scale, L, D, log_fgate.dtype
         return o[..., :L, :D]
 
     @staticmethod
@@ -434,8 +493,8 @@ class _ForgettingAttnTriton(torch.autograd.Function):
         q, k, v, c_offsets, c_blocks, o, lse2 = ctx.saved_tensors
         L, D = ctx.L, ctx.D
         do = _pad(do, *o.shape[-2:]).contiguous()
-        dq, dk, dv, dc = _triton_bwd(q, k, v, (c_offsets, c_blocks), o, lse2, do, ctx.scale)
-        dlog_fgate = _reverse_cumsum(dc[..., :L])
+        dq, dk, dv, dcq, dck = _triton_bwd(q, k, v, (c_offsets, c_blocks), o, lse2, do, ctx.scale)
+        dlog_fgate = _gate_grad(dcq, dck, L, ctx.gate_dtype)
         return dq[..., :L, :D], dk[..., :L, :D], dv[..., :L, :D], dlog_fgate, None
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.forgetting import _reverse_cumsum, fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.forgetting import _MAX_BLOCK, _gate_grad, _split_c, fgate_cumsum, forgetting_attn, forgetting_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
@@ -94,12 +94,34 @@ def test_gate_one_is_causal_attention(impl):
     check(o, grads, o_ref, grads_ref, 1e-5)
 
 
-def test_reverse_cumsum_is_the_cumsum_gradient():
-    """I8: d log f_t = sum_{s >= t} dc_s is the adjoint of c = cumsum(log f)."""
-    x = torch.randn(3, 50, dtype=torch.float64, requires_grad=True)
-    dc = torch.randn(3, 50, dtype=torch.float64)
-    (expected,) = torch.autograd.grad(x.cumsum(-1), x, dc)
-    assert torch.allclose(_reverse_cumsum(dc), expected, rtol=1e-12, atol=1e-12)
+@pytest.mark.parametrize("L", [1, 45, 77])
+def test_gate_cumsum_kernel(L):
+    """I3: the kernel's c = cumsum(log f) in fp64 (times log2 e), padded with log f = 0 and split
+    into a value per block and fp32 offsets, equals the same computed by torch; L spans several
+    of the scan's chunks and ends in a partial block."""
+    log_fgate = F.logsigmoid(3 * torch.randn(2, 3, L, device=DEV))
+    log_fgate[..., 0] = -3e5  # a large |c|: the offsets must still be exact
+    Lp = -(-L // _MAX_BLOCK) * _MAX_BLOCK
+    offsets, blocks = _split_c(log_fgate, Lp)
+    c = F.pad(fgate_cumsum(log_fgate), (0, Lp - L), mode="replicate") * math.log2(math.e)
+    expected_blocks = c[..., ::_MAX_BLOCK]
+    expected_offsets = c - expected_blocks.repeat_interleave(_MAX_BLOCK, -1)
+    assert torch.allclose(blocks, expected_blocks, rtol=1e-14, atol=0)
+    assert torch.allclose(offsets.double(), expected_offsets, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("L", [1, 45, 77])
+def test_gate_grad_kernel_is_the_cumsum_adjoint(L, dtype):
+    """I8: d log f_t = sum_{s >= t} dc_s (dc = dcq + dck from the kernels' row and column sums) is
+    the adjoint of c = cumsum(log f); padded positions after L are ignored."""
+    Lp = -(-L // _MAX_BLOCK) * _MAX_BLOCK
+    dcq, dck = (torch.randn(2, 3, Lp, device=DEV) for _ in range(2))
+    x = torch.randn(2, 3, L, dtype=torch.float64, device=DEV, requires_grad=True)
+    (expected,) = torch.autograd.grad(x.cumsum(-1), x, (dcq + dck)[..., :L].double())
+    got = _gate_grad(dcq, dck, L, dtype)
+    assert got.dtype == dtype and got.shape == (2, 3, L)
+    assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +266,7 @@ def test_gpu_real_shape_bf16(D, decay):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
 def test_gpu_odd_shapes(dtype, tol):
     """Odd L, D = 96 (padded), strided inputs, fp32 (3xTF32 dots) and bf16, vs the fp64 reference."""
-    B, H, L, D = 1, 16, 1000, 96
+    B, H, L, D = 1, 16, 1100, 96  # L padded to 1152: the gate scan masks a partial chunk
     q, k, v = (torch.randn(B, L, H, D, device=DEV, dtype=dtype).transpose(1, 2) for _ in range(3))
     log_fgate = F.logsigmoid(3 * torch.randn(B, H, L, device=DEV))
     o, grads, do = run(q, k, v, log_fgate)
