@@ -329,7 +329,8 @@ def train(cfg):
         OmegaConf.save(cfg, os.path.join(out_dir, "config.yaml"), resolve=True)
         print(f"model: {model_config.attention}, {raw_model.num_params() / 1e6:.2f}M parameters | "
               f"{dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
-              f"{accum * B * T * dist_info.world} tokens/step | " + (f"resuming at step {step}" if step else "fresh run"))
+              f"{accum * B * T * dist_info.world} tokens/step | "
+              + (f"resuming at step {step}" if step else "fresh run"))
     metrics = Metrics(cfg, out_dir, wandb_id) if dist_info.master else None
 
     use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")

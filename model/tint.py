@@ -1029,8 +1029,9 @@ class BackwardDescentLayer(nn.Module):
 class SoftmaxLayer(nn.Module):
     """The auxiliary softmax attention (§3.10) with H_soft heads: head h takes q^h (from block q_block),
     k^h (k_block) and v^h (B0) into its first d_a coordinates (three-pass H-split maps), scores scaled by
-    1/sqrt(d_a) (after RoPE for LLaMA-style models); causal among tokens, prefix columns masked. transpose=True: the dv backward, A^T mixing the
-    values (row t uses column j iff j == t or j > t with m_j = 1)."""
+    1/sqrt(d_a) (after RoPE for LLaMA-style models); causal among tokens, prefix columns masked.
+    transpose=True: the dv backward, A^T mixing the values (row t uses column j iff j == t or j > t
+    with m_j = 1)."""
 
     def __init__(self, cfg, q_block, k_block, transpose=False, dtype=None, device=None):
         super().__init__()
