@@ -437,7 +437,8 @@ if triton is not None:
 
         Carried for key block c: U_c (as of the start of row block a + 1 on entering a step), dU_c
         (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in registers; U_c is read from
-        and dKc, dVc, dQu are written to this program's rows of fp32 (BH, s_rows, BLOCK_D) buffers. Which
+        this program's rows of the fp32 (BH, s_rows, BLOCK_D) buffer, and dKc, dVc, dQu, which only this
+        program writes, go to their (B, H, L, D) outputs scaled and in the output dtype. Which
         gradients a launch computes: CAUSAL_GRADS dVc, dKc, dQc and E's part of dVu (eqs 27, 30, 31),
         SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu and the rest of dVu."""
         # Heads in groups of HEAD_GROUP; a group launches its heads' columns longest first (c = 0 of every
@@ -549,11 +550,12 @@ if triton is not None:
                 if SIGMA_GRADS and after:
                     du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
 
+        gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
         if CAUSAL_GRADS:
-            tl.store(DKC + st_ptr, dkc)
-            tl.store(DVC + st_ptr, dvc)
+            tl.store(DKC + gc_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
+            tl.store(DVC + gc_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_c)
         if SIGMA_GRADS:
-            tl.store(DQU + st_ptr, dqu)
+            tl.store(DQU + gc_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_c)
 
 
 def _interpreting():
@@ -621,8 +623,8 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
     delta[:, :L] = (do.float() * out.float()).sum(-1).flatten(0, 1)
     dqc, dku, dvu = (torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3))
-    # Key-block gradients in (BH, rows, block_d) fp32 buffers laid out like U; every row is written.
-    dkc, dvc, dqu = torch.empty_like(u), torch.empty_like(u), torch.empty_like(u)
+    # key-block gradients: one owner per row, written in the input dtype by the kernels
+    dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
     dt = _dot_dtype(qc.dtype)
     for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, u.shape[-1], cfg, dt,
                                           "ieee" if dt == tl.float32 else "tf32"):
@@ -632,10 +634,7 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
             qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, _window_or_len(window, L), scale,
             lse.shape[1], u.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
-    def key_grad(g, factor):  # (BH, rows, block_d) fp32, unscaled -> (B, H, L, D) in the input dtype
-        return (g[:, :L, :D] * factor).view(B, H, L, D).to(qc.dtype)
-    return (dqc.to(qc.dtype), key_grad(dkc, scale), key_grad(dvc, 1.0), key_grad(dqu, scale),
-            dku.to(qc.dtype), dvu.to(qc.dtype))
+    return dqc.to(qc.dtype), dkc, dvc, dqu, dku.to(qc.dtype), dvu.to(qc.dtype)
 
 
 class _CastleTriton(torch.autograd.Function):
