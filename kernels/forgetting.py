@@ -350,8 +350,7 @@ def _gate_grad_kernel(DCQ, DCK, DLOGF, L_out, L, CHUNK: tl.constexpr):
     for i in range(0, n_chunks):
         pos = (n_chunks - 1 - i) * CHUNK + tl.arange(0, CHUNK)
         keep = pos < L_out
-        dc = (tl.load(DCQ + pos, mask=keep, other=0.0) + tl.load(DCK + pos, mask=keep, other=0.0))
-        dc = dc.to(tl.float64)
+        dc = (tl.load(DCQ + pos, mask=keep, other=0.0) + tl.load(DCK + pos, mask=keep, other=0.0)).to(tl.float64)
         tl.store(DLOGF + pos, (carry + tl.cumsum(dc, 0, reverse=True)).to(DLOGF.dtype.element_ty),
                  mask=keep)
         carry = carry + tl.sum(dc, 0)
