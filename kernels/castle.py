@@ -40,16 +40,21 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     bitwise deterministic (like FlashAttention's dQ); the forward is. The two gradient paths into a
     sigma tile (the local term, and the update of U_c) are summed before one use. A step recomputes
     ~8 tiles and keeps most of them live, so it runs out of registers (255 and spills at every tile
-    size, scripts/castle_regs.py); two schedules of the same kernel trade registers for work
-    (CASTLE_BWD_VARIANT, default "split"; see BWD_VARIANTS):
-      "fused"   one launch, the five carried (n x d) fp32 states in registers;
+    size, scripts/castle_regs.py); three schedules of the same code trade registers for work
+    (CASTLE_BWD_VARIANT, default "stored"; see BWD_VARIANTS):
+      "fused"   one launch, one pass, the five carried (n x d) fp32 states in registers;
       "split"   two launches that each recompute the scores: dVc, dKc, dQc and E's part of dVu (carrying
-                U, dKc, dVc), then the sigma paths dU, dQu, dKu and the rest of dVu (carrying U, dU, dQu).
-    On an H200 (bf16, B8 H16 L2048 D64) "split" 64/64 takes 5.74 ms, "fused" 64/32 6.64 ms
-    (scripts/NOTES_castle.md).
+                U, dKc, dVc), then the sigma paths dU, dQu, dKu and the rest of dVu (carrying U, dU, dQu);
+      "stored"  the two passes of "split" one after the other in one program: the first stores each
+                tile's dS (bf16, as the matmuls take it) in a strip of scratch memory, the second reads
+                it back instead of recomputing the scores (8 tile matmuls instead of 13, no U). Strips
+                are recycled between programs (4 per SM, linear in L: 138 MB at L = 2048).
+    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.30 ms with "stored", 3.57 with "split", both
+    64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
-  * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators.
+  * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators,
+    and for "stored" the dS strips (4 per SM, L x n each).
   * Precision: bf16 matmul operands (U, sigma, R, P, dS ... rounded as FlashAttention rounds P), fp32
     accumulators, statistics, U and dU. On long unit-variance inputs the gradients then carry ~2e-2
     relative error, as much as the parallel form run with bf16 matmuls (autocast) has; fp32 inputs
@@ -241,13 +246,14 @@ class _CastleBlockwise(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------------
 # impl="triton": kernels (see the module docstring for the schedule)
 
-# Backward schedules (module docstring): "split" (two launches, ~1.4x the matmuls, about half the
-# registers per step) or "fused" (one launch).
-BWD_VARIANTS = ("fused", "split")
-BWD_VARIANT = os.environ.get("CASTLE_BWD_VARIANT", "split")
+# Backward schedules (module docstring): "stored" (two passes per program, the second reading the
+# first's dS from scratch strips), "split" (the two passes as two launches, recomputing the scores) or
+# "fused" (one pass).
+BWD_VARIANTS = ("fused", "split", "stored")
+BWD_VARIANT = os.environ.get("CASTLE_BWD_VARIANT", "stored")
 if BWD_VARIANT not in BWD_VARIANTS:
     raise ValueError(f"CASTLE_BWD_VARIANT={BWD_VARIANT!r} is unknown; set it to one of {BWD_VARIANTS} "
-                     "or unset it (default split)")
+                     "or unset it (default stored)")
 
 
 @dataclass(frozen=True)
@@ -280,7 +286,7 @@ def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
-        return TritonConfig(64, 64, 4, *((64, 64) if variant == "split" else (64, 32)), 4, 1, variant)
+        return TritonConfig(64, 64, 4, *((64, 32) if variant == "fused" else (64, 64)), 4, 1, variant)
     return TritonConfig(64, 32, 4, 64, 64, 8, 1, variant)
 
 
@@ -425,30 +431,33 @@ if triton is not None:
         tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(denom))
 
     @triton.jit
-    def _castle_bwd_kernel(
-        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U,
-        DQC, DKC, DVC, DQU, DKU, DVU,
-        stride_b, stride_h, stride_l, H, L, NR, NC, W, scale: tl.constexpr, lse_rows, s_rows,
+    def _bwd_work_item(w, NBH, NC, HEAD_GROUP: tl.constexpr):
+        """(head, key block) of backward work item w. Heads in groups of HEAD_GROUP; a group's items are
+        its heads' columns longest first (c = 0 of every head, then c = 1, ...). Longest-first shortens
+        the tail; groups keep the rows that the running programs share in L2 (ordering all heads
+        column-major was ~20% slower at 144 heads)."""
+        g0 = w // (HEAD_GROUP * NC) * HEAD_GROUP                  # first head of the item's group
+        group_size = tl.minimum(HEAD_GROUP, NBH - g0)
+        return g0 + (w - g0 * NC) % group_size, (w - g0 * NC) // group_size
+
+    @triton.jit
+    def _bwd_column(
+        bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, DS, ds_slot,
+        stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows, s_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr,
-        CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr, HEAD_GROUP: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
+        DS_MODE: tl.constexpr,
     ):
-        """One program per (head, key block c); walks the row blocks a = NR-1 .. own block of c.
+        """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c.
 
         Carried for key block c: U_c (as of the start of row block a + 1 on entering a step), dU_c
         (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in registers; U_c is read from
         this program's rows of the fp32 (BH, s_rows, BLOCK_D) buffer, and dKc, dVc, dQu, which only this
-        program writes, go to their (B, H, L, D) outputs scaled and in the output dtype. Which
-        gradients a launch computes: CAUSAL_GRADS dVc, dKc, dQc and E's part of dVu (eqs 27, 30, 31),
-        SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu and the rest of dVu."""
-        # Heads in groups of HEAD_GROUP; a group launches its heads' columns longest first (c = 0 of every
-        # head, then c = 1, ...). Longest-first shortens the tail; groups keep the rows that the running
-        # programs share in L2 (ordering all heads column-major was ~20% slower at 144 heads).
-        pid = tl.program_id(0)
-        g0 = pid // (HEAD_GROUP * NC) * HEAD_GROUP                # first head of this program's group
-        group_size = tl.minimum(HEAD_GROUP, tl.num_programs(0) // NC - g0)
-        bh = g0 + (pid - g0 * NC) % group_size
-        c = (pid - g0 * NC) // group_size
+        column writes, go to their (B, H, L, D) outputs scaled and in the output dtype. Which gradients
+        a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E's part of dVu (eqs 27, 30, 31), SIGMA_GRADS the
+        paths through sigma, dU (eq 32), dQu, dKu and the rest of dVu. DS_MODE: 0 recomputes the score
+        gradient dS (eq 29) of every tile; 1 also stores it in this program's (NR*BM, BN) strip of DS at
+        ds_slot; 2 loads it from there instead of recomputing the scores (then U is not needed at all)."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
@@ -462,11 +471,11 @@ if triton is not None:
         mask_c = (rows_c[:, None] < L) & dmask
         ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
         qu_c = tl.load(QU + ptr_c, mask=mask_c, other=0.0).to(DT)
-        kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
-        vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
-        st_ptr = bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :]
-        # U_c as of the start of the last row block (saved by the forward; read only).
-        u = tl.load(U + st_ptr)
+        if DS_MODE != 2:
+            kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
+            vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
+            # U_c as of the start of the last row block (saved by the forward; read only).
+            u = tl.load(U + bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
         du = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dkc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dvc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
@@ -474,81 +483,87 @@ if triton is not None:
         last_row = _last_row_block(c, W, NR, BM, BN)
         own_row = c // (BM // BN)                                 # the row block holding key block c
 
-        # A fixed trip count with a guard: the interpreter cannot take program-dependent range() bounds.
-        for i in range(0, NR):
-            a = NR - 1 - i
-            if a >= own_row:
-                rows_a = a * BM + offs_m
-                mask_a = (rows_a[:, None] < L) & dmask
-                ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
-                g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
-                qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
-                ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
-                vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        # A while loop: the interpreter cannot take range() bounds that depend on the program.
+        a = NR - 1
+        while a >= own_row:
+            rows_a = a * BM + offs_m
+            mask_a = (rows_a[:, None] < L) & dmask
+            ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
+            g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+            qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
+            ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+            vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+            in_window = a <= last_row
+            folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
+            after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
+
+            sig = tl.zeros([BN, BM], dtype=DT)
+            r = tl.zeros([BM, BM], dtype=DT)
+            if in_window:
+                sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
+                r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
+            if DS_MODE == 2:
+                ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
+            else:
                 do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
                 lse_a = tl.load(LSE + lse_off + rows_a)
                 delta_a = tl.load(DELTA + lse_off + rows_a)
-                in_window = a <= last_row
-                folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
-                after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
-
                 # Recompute the scores of the tile (eqs 22/24, 19), undoing row a's update of U_c (eq 33).
                 s = tl.zeros([BM, BN], dtype=tl.float32)
-                sig = tl.zeros([BN, BM], dtype=DT)
-                r = tl.zeros([BM, BM], dtype=DT)
                 if in_window:
-                    sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
                     if folded:
                         u -= tl.dot(sig, vu_a, input_precision=PREC)
-                    r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
                     s = tl.dot(r, tl.trans(sig), input_precision=PREC)
                 u_t = u.to(DT)
                 if after:
                     s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
-                # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as soon
-                # as it can (SiLU'(S) before the softmax, dVc before dP), which keeps the peak at three.
+                # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
+                # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
                 sg = _sigmoid(s, DT)
                 sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
                 dsilu = sg * (1.0 + s * (1.0 - sg))
                 sc = _causal_log2(sc, a, c, BM, BN)
-                p = tl.exp2(sc - lse_a[:, None])                                            # eq (25)
+                p = tl.exp2(sc - lse_a[:, None])                                        # eq (25)
                 if CAUSAL_GRADS:
-                    dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)           # eq (27)
-                dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                     # eq (26)
-                da = p * (dp - delta_a[:, None])                                            # eq (28)
-                ds = (-da * dsilu).to(DT)                                                   # eq (29)
+                    dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)       # eq (27)
+                dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                 # eq (26)
+                da = p * (dp - delta_a[:, None])                                        # eq (28)
+                ds = (-da * dsilu).to(DT)                                               # eq (29)
+                if DS_MODE == 1:
+                    tl.store(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], ds)
                 if CAUSAL_GRADS:
                     da = da.to(DT)
-                    dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)                 # eq (30), dQc
+                    dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)             # eq (30), dQc
                     dqc_a = tl.dot(da, kc_c, input_precision=PREC)
                     if after:
                         dqc_a += tl.dot(ds, u_t, input_precision=PREC)
-                if in_window:
-                    dvu_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
-                    if CAUSAL_GRADS:
-                        e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)  # eq (31)
-                        dqc_a += tl.dot(e, vu_a, input_precision=PREC)
-                        dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
-                    if SIGMA_GRADS:
-                        # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
-                        # (eq 32), so dU gets this tile's own contribution only at the end.
-                        if folded:
-                            dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-                    tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
-                    if SIGMA_GRADS:
-                        # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
-                        dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
-                        if folded:
-                            dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
-                        sig32 = sig.to(tl.float32)
-                        dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
-                        dqu += tl.dot(dz, ku_a, input_precision=PREC)
-                        tl.atomic_add(DKU + g_ptr, tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale,
-                                      mask=mask_a, sem="relaxed")
+            if in_window:
+                dvu_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
                 if CAUSAL_GRADS:
-                    tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
-                if SIGMA_GRADS and after:
-                    du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
+                    e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)  # eq (31)
+                    dqc_a += tl.dot(e, vu_a, input_precision=PREC)
+                    dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+                if SIGMA_GRADS:
+                    # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
+                    # (eq 32), so dU gets this tile's own contribution only at the end.
+                    if folded:
+                        dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
+                tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+                if SIGMA_GRADS:
+                    # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
+                    dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
+                    if folded:
+                        dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
+                    sig32 = sig.to(tl.float32)
+                    dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
+                    dqu += tl.dot(dz, ku_a, input_precision=PREC)
+                    qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale
+                    tl.atomic_add(DKU + g_ptr, qu_term, mask=mask_a, sem="relaxed")
+            if CAUSAL_GRADS:
+                tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
+            if SIGMA_GRADS and after:
+                du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
+            a -= 1
 
         gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
         if CAUSAL_GRADS:
@@ -556,6 +571,42 @@ if triton is not None:
             tl.store(DVC + gc_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_c)
         if SIGMA_GRADS:
             tl.store(DQU + gc_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_c)
+
+    @triton.jit
+    def _castle_bwd_kernel(
+        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, DS, SLOTS,
+        stride_b, stride_h, stride_l, H, L, NR, NC, NBH, NSLOTS, W, scale: tl.constexpr, lse_rows, s_rows,
+        HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
+        STORED: tl.constexpr, HEAD_GROUP: tl.constexpr,
+    ):
+        """One program per (head, key block). Without STORED, one pass with the gradients selected. With
+        STORED, the causal pass, which stores every tile's dS in a strip of DS, then the sigma pass, which
+        reads dS back instead of recomputing the scores. DS holds NSLOTS strips of (NR*BM, BN) (linear
+        in L): the program with ticket t (SLOTS[NSLOTS] hands them out) takes strip t % NSLOTS once
+        ticket t - NSLOTS has released it (SLOTS[strip] counts releases). Tickets, not program ids: a
+        program only ever waits on one that has already started, so no order of starting deadlocks."""
+        if STORED:
+            t = tl.atomic_add(SLOTS + NSLOTS, 1)
+            slot = t % NSLOTS
+            while tl.atomic_add(SLOTS + slot, 0, sem="acquire", scope="gpu") < t // NSLOTS:
+                pass
+            ds_slot = slot.to(tl.int64) * (NR * BM * BN)
+            bh, c = _bwd_work_item(t, NBH, NC, HEAD_GROUP)
+            _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
+                        DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1)
+            tl.debug_barrier()   # the strip is written by every thread and read back by others
+            _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
+                        DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2)
+            tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
+            tl.atomic_xchg(SLOTS + slot, t // NSLOTS + 1, sem="release", scope="gpu")
+        else:
+            bh, c = _bwd_work_item(tl.program_id(0), NBH, NC, HEAD_GROUP)
+            _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
+                        DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
 
 
 def _interpreting():
@@ -607,12 +658,22 @@ def _bwd_kernels(variant, D, block_d, cfg, dt, prec):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=prec,
-                  CAUSAL_GRADS=True, SIGMA_GRADS=True, HEAD_GROUP=_BWD_HEAD_GROUP)
+                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, HEAD_GROUP=_BWD_HEAD_GROUP)
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
+    if variant == "stored":
+        return [("stored", _castle_bwd_kernel, {**consts, "STORED": True})]
     assert variant == "split", f"backward variant must be one of {BWD_VARIANTS}, got {variant!r}"
     return [("causal", _castle_bwd_kernel, {**consts, "SIGMA_GRADS": False}),
             ("sigma", _castle_bwd_kernel, {**consts, "CAUSAL_GRADS": False})]
+
+
+def _ds_strips(device, work):
+    """dS strips of the "stored" backward: four per SM, twice the programs that run at once (two per SM
+    at ~240 registers a thread), so that a strip is free again by the time its next ticket comes; under
+    the interpreter two, so that tests reuse strips."""
+    per_gpu = 2 if _interpreting() else 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return min(work, per_gpu)
 
 
 def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
@@ -626,12 +687,18 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     # key-block gradients: one owner per row, written in the input dtype by the kernels
     dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
     dt = _dot_dtype(qc.dtype)
+    strips, ds, slots = 0, None, None
+    if cfg.bwd_variant == "stored":
+        strips = _ds_strips(qc.device, B * H * nc)
+        ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device,
+                         dtype=torch.float32 if dt == tl.float32 else qc.dtype)
+        slots = torch.zeros(strips + 1, dtype=torch.int32, device=qc.device)
     for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, u.shape[-1], cfg, dt,
                                           "ieee" if dt == tl.float32 else "tf32"):
         kernel[(B * H * nc,)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, u,
-            dqc, dkc, dvc, dqu, dku, dvu,
-            qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, _window_or_len(window, L), scale,
+            dqc, dkc, dvc, dqu, dku, dvu, ds, slots,
+            qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, B * H, strips, _window_or_len(window, L), scale,
             lse.shape[1], u.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
     return dqc.to(qc.dtype), dkc, dvc, dqu, dku.to(qc.dtype), dvu.to(qc.dtype)
