@@ -280,9 +280,9 @@ def _default_config(block_d, dtype, variant=BWD_VARIANT):
 
 def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     """Tiles per head dim on a GPU. Forward: the fastest of scripts/bench_castle.py --sweep on an H100
-    (bf16, L = 2048). Backward, D <= 64: the sweep's winners on an H200 (B8 H16 L2048: split 64/64
-    5.74 ms, fused 64/32 6.64 ms). D = 128: the sweep's winner on an H100 for both variants, 64/64 with
-    8 warps (B8 H16 L2048: split 15.0 ms, fused 15.6 ms backward; the earlier 16/16 took 32.6 ms)."""
+    (bf16, L = 2048). Backward, D <= 64: the sweep's winners (H100, B8 H9 L2048: stored and split 64/64,
+    fwd+bwd 3.30 / 3.57 ms; H200, B8 H16: fused 64/32). D = 128: the sweep's winner on an H100 for every
+    variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.3 ms, split 14.5)."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
