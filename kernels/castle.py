@@ -47,9 +47,10 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
                 U, dKc, dVc), then the sigma paths dU, dQu, dKu and the rest of dVu (carrying U, dU, dQu);
       "stored"  the two passes of "split" one after the other in one program: the first stores each
                 tile's dS (bf16, as the matmuls take it) in a strip of scratch memory, the second reads
-                it back instead of recomputing the scores (8 tile matmuls instead of 13, no U). Strips
-                are recycled between programs (4 per SM, linear in L: 138 MB at L = 2048).
-    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.30 ms with "stored", 3.57 with "split", both
+                it back instead of recomputing the scores (no U), and takes E's products too: 11 + 11
+                tile matmuls per step instead of 14 + 13. Strips are recycled between programs (4 per
+                SM, linear in L: 138 MB at L = 2048).
+    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.20 ms with "stored", 3.57 with "split", both
     64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
@@ -281,8 +282,8 @@ def _default_config(block_d, dtype, variant=BWD_VARIANT):
 def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     """Tiles per head dim on a GPU. Forward: the fastest of scripts/bench_castle.py --sweep on an H100
     (bf16, L = 2048). Backward, D <= 64: the sweep's winners (H100, B8 H9 L2048: stored and split 64/64,
-    fwd+bwd 3.30 / 3.57 ms; H200, B8 H16: fused 64/32). D = 128: the sweep's winner on an H100 for every
-    variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.3 ms, split 14.5)."""
+    fwd+bwd 3.20 / 3.57 ms; H200, B8 H16: fused 64/32). D = 128: the sweep's winner on an H100 for every
+    variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5)."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
@@ -457,7 +458,8 @@ if triton is not None:
         a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E's part of dVu (eqs 27, 30, 31), SIGMA_GRADS the
         paths through sigma, dU (eq 32), dQu, dKu and the rest of dVu. DS_MODE: 0 recomputes the score
         gradient dS (eq 29) of every tile; 1 also stores it in this program's (NR*BM, BN) strip of DS at
-        ds_slot; 2 loads it from there instead of recomputing the scores (then U is not needed at all)."""
+        ds_slot, leaving E (eq 31) to the pass that reads it back; 2 loads dS from there instead of
+        recomputing the scores (then U is not needed at all) and adds E's terms to dQc and dVu."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
@@ -539,16 +541,22 @@ if triton is not None:
                         dqc_a += tl.dot(ds, u_t, input_precision=PREC)
             if in_window:
                 dvu_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
-                if CAUSAL_GRADS:
+                if CAUSAL_GRADS and DS_MODE == 0:
                     e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)  # eq (31)
                     dqc_a += tl.dot(e, vu_a, input_precision=PREC)
+                    dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+                if DS_MODE == 2:  # E's two products here, where dS and sigma are at hand anyway (2.5% faster)
+                    e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)
+                    e_term = tl.dot(e, vu_a, input_precision=PREC) * scale
+                    tl.atomic_add(DQC + g_ptr, e_term, mask=mask_a, sem="relaxed")
                     dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
                 if SIGMA_GRADS:
                     # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
                     # (eq 32), so dU gets this tile's own contribution only at the end.
                     if folded:
                         dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-                tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+                if DS_MODE != 1:
+                    tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
                 if SIGMA_GRADS:
                     # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
                     dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
