@@ -539,24 +539,23 @@ if triton is not None:
                     dqc_a = tl.dot(da, kc_c, input_precision=PREC)
                     if after:
                         dqc_a += tl.dot(ds, u_t, input_precision=PREC)
-            if in_window:
+            if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
                 dvu_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
-                if CAUSAL_GRADS and DS_MODE == 0:
-                    e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)  # eq (31)
-                    dqc_a += tl.dot(e, vu_a, input_precision=PREC)
-                    dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
-                if DS_MODE == 2:  # E's two products here, where dS and sigma are at hand anyway (2.5% faster)
+                if DS_MODE == 2 or CAUSAL_GRADS:
+                    # E (eq 31); with stored dS in the second pass, where dS and sigma are at hand (2.5% faster)
                     e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)
-                    e_term = tl.dot(e, vu_a, input_precision=PREC) * scale
-                    tl.atomic_add(DQC + g_ptr, e_term, mask=mask_a, sem="relaxed")
+                    e_term = tl.dot(e, vu_a, input_precision=PREC)
+                    if DS_MODE == 2:
+                        tl.atomic_add(DQC + g_ptr, e_term * scale, mask=mask_a, sem="relaxed")
+                    else:
+                        dqc_a += e_term
                     dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
                 if SIGMA_GRADS:
                     # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
                     # (eq 32), so dU gets this tile's own contribution only at the end.
                     if folded:
                         dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-                if DS_MODE != 1:
-                    tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+                tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
                 if SIGMA_GRADS:
                     # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
                     dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
