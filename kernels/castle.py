@@ -38,24 +38,27 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     and recovers the earlier values by subtraction (spec eq 33), carrying U_c, dU_c and the key-block
     gradients dKc, dVc, dQu. Row gradients dQc, dKu, dVu are fp32 atomic adds, so the backward is not
     bitwise deterministic (like FlashAttention's dQ); the forward is. The two gradient paths into a
-    sigma tile (the local term, and the update of U_c) are summed before one use. A step recomputes
+    sigma tile (the local term, and the update of U_c) are summed before one use. E (eq 31), the score
+    gradient's path into the local term, only meets operands of its row block, so the backward sums its
+    tiles per row block (fp32, L x m per head) and a last small launch takes its two products once per
+    row block while it casts the row gradients to the output dtype. A step recomputes
     ~8 tiles and keeps most of them live, so it runs out of registers (255 and spills at every tile
     size, scripts/castle_regs.py); three schedules of the same code trade registers for work
     (CASTLE_BWD_VARIANT, default "stored"; see BWD_VARIANTS):
       "fused"   one launch, one pass, the five carried (n x d) fp32 states in registers;
-      "split"   two launches that each recompute the scores: dVc, dKc, dQc and E's part of dVu (carrying
-                U, dKc, dVc), then the sigma paths dU, dQu, dKu and the rest of dVu (carrying U, dU, dQu);
+      "split"   two launches that each recompute the scores: dVc, dKc, dQc and E (carrying U, dKc, dVc),
+                then the sigma paths dU, dQu, dKu, dVu (carrying U, dU, dQu);
       "stored"  the two passes of "split" one after the other in one program: the first stores each
                 tile's dS (bf16, as the matmuls take it) in a strip of scratch memory, the second reads
-                it back instead of recomputing the scores (no U), and takes E's products too: 11 + 11
-                tile matmuls per step instead of 14 + 13. Strips are recycled between programs (4 per
-                SM, linear in L: 138 MB at L = 2048).
-    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.20 ms with "stored", 3.57 with "split", both
+                it back instead of recomputing the scores (no U), and forms E: 11 + 9 tile matmuls per
+                step instead of 12 + 13. Strips are recycled between programs (4 per SM, linear in L:
+                138 MB at L = 2048).
+    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.15 ms with "stored", 3.47 with "split", both
     64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators,
-    and for "stored" the dS strips (4 per SM, L x n each).
+    E per row block (L x m fp32), and for "stored" the dS strips (4 per SM, L x n each).
   * Precision: bf16 matmul operands (U, sigma, R, P, dS ... rounded as FlashAttention rounds P), fp32
     accumulators, statistics, U and dU. On long unit-variance inputs the gradients then carry ~2e-2
     relative error, as much as the parallel form run with bf16 matmuls (autocast) has; fp32 inputs
@@ -447,7 +450,7 @@ if triton is not None:
 
     @triton.jit
     def _bwd_column(
-        bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, DS, ds_slot,
+        bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, E, DS, ds_slot,
         stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows, s_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
@@ -459,14 +462,15 @@ if triton is not None:
         (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in registers; U_c is read from
         this program's rows of the fp32 (BH, s_rows, BLOCK_D) buffer, and dKc, dVc, dQu, which only this
         column writes, go to their (B, H, L, D) outputs scaled and in the output dtype. Which gradients
-        a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E's part of dVu (eqs 27, 30, 31), SIGMA_GRADS the
-        paths through sigma, dU (eq 32), dQu, dKu and the rest of dVu. DS_MODE: 0 recomputes the score
-        gradient dS (eq 29) of every tile; 1 also stores it in this program's (NR*BM, BN) strip of DS at
-        ds_slot, leaving E (eq 31) to the pass that reads it back; 2 loads dS from there instead of
-        recomputing the scores (then U is not needed at all) and adds E's terms to dQc and dVu."""
+        a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E added to the fp32 (BH,
+        NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu, dVu. DS_MODE: 0
+        recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this program's
+        (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
+        there instead of recomputing the scores (then U is not needed at all) and forms E."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
+        e_off = bh.to(tl.int64) * (NR * BM * BM)                  # E: (BH, NR*BM, BM)
 
         offs_m = tl.arange(0, BM)
         offs_n = tl.arange(0, BN)
@@ -496,6 +500,7 @@ if triton is not None:
             mask_a = (rows_a[:, None] < L) & dmask
             ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
             g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+            e_ptr = e_off + rows_a[:, None] * BM + offs_m[None, :]
             qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
             ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
             vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
@@ -544,23 +549,17 @@ if triton is not None:
                     if after:
                         dqc_a += tl.dot(ds, u_t, input_precision=PREC)
             if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
-                dvu_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
                 if DS_MODE == 2 or CAUSAL_GRADS:
-                    # E (eq 31); with stored dS in the second pass, where dS and sigma are at hand (2.5% faster)
-                    e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0).to(DT)
-                    e_term = tl.dot(e, vu_a, input_precision=PREC)
-                    if DS_MODE == 2:
-                        tl.atomic_add(DQC + g_ptr, e_term * scale, mask=mask_a, sem="relaxed")
-                    else:
-                        dqc_a += e_term
-                    dvu_a += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+                    # E (eq 31) only meets operands of row block a: summed over the key blocks here, its
+                    # products with Vu_a and Qc_a are taken once per row block (_castle_bwd_finish_kernel).
+                    e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0)
+                    tl.atomic_add(E + e_ptr, e, sem="relaxed")
                 if SIGMA_GRADS:
                     # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
                     # (eq 32), so dU gets this tile's own contribution only at the end.
                     if folded:
-                        dvu_a += tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-                tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
-                if SIGMA_GRADS:
+                        dvu_a = tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
+                        tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
                     # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
                     dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
                     if folded:
@@ -585,7 +584,7 @@ if triton is not None:
 
     @triton.jit
     def _castle_bwd_kernel(
-        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, DS, SLOTS,
+        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, E, DS, SLOTS,
         stride_b, stride_h, stride_l, H, L, NR, NC, NBH, NSLOTS, W, scale: tl.constexpr, lse_rows, s_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
@@ -605,19 +604,47 @@ if triton is not None:
             ds_slot = slot.to(tl.int64) * (NR * BM * BN)
             bh, c = _bwd_work_item(t, NBH, NC, HEAD_GROUP)
             _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1)
             tl.debug_barrier()   # the strip is written by every thread and read back by others
             _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2)
             tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
             tl.atomic_xchg(SLOTS + slot, t // NSLOTS + 1, sem="release", scope="gpu")
         else:
             bh, c = _bwd_work_item(tl.program_id(0), NBH, NC, HEAD_GROUP)
             _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
+
+    @triton.jit
+    def _castle_bwd_finish_kernel(
+        QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b, stride_h, stride_l, H, L, NR,
+        scale: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BLOCK_D: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr,
+    ):
+        """One program per (head, row block a): E_a, summed over key blocks by the backward, gives
+        dQc_a += s E_a Vu_a and dVu_a += s E_a^T Qc_a (eq 31); the three fp32 row gradients are then
+        written in the output dtype."""
+        bh = tl.program_id(0) // NR
+        a = tl.program_id(0) % NR
+        off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
+        offs_m = tl.arange(0, BM)
+        offs_d = tl.arange(0, BLOCK_D)
+        rows_a = a * BM + offs_m
+        mask_a = (rows_a[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
+        ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
+        g_ptr = bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+        e = tl.load(E + bh.to(tl.int64) * (NR * BM * BM) + rows_a[:, None] * BM + offs_m[None, :]).to(DT)
+        qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
+        vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        dqc = tl.load(DQC + g_ptr, mask=mask_a, other=0.0) + tl.dot(e, vu_a, input_precision=PREC) * scale
+        dvu = tl.load(DVU + g_ptr, mask=mask_a, other=0.0) + tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+        tl.store(DQC_OUT + g_ptr, dqc.to(DQC_OUT.dtype.element_ty), mask=mask_a)
+        tl.store(DVU_OUT + g_ptr, dvu.to(DVU_OUT.dtype.element_ty), mask=mask_a)
+        dku = tl.load(DKU + g_ptr, mask=mask_a, other=0.0)
+        tl.store(DKU_OUT + g_ptr, dku.to(DKU_OUT.dtype.element_ty), mask=mask_a)
 
 
 def _interpreting():
@@ -695,6 +722,7 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
     delta[:, :L] = (do.float() * out.float()).sum(-1).flatten(0, 1)
     dqc, dku, dvu = (torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3))
+    e = torch.zeros(B * H, nr * cfg.m_bwd, cfg.m_bwd, dtype=torch.float32, device=qc.device)  # E per row block
     # key-block gradients: one owner per row, written in the input dtype by the kernels
     dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
     dt = _dot_dtype(qc.dtype)
@@ -704,15 +732,23 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device,
                          dtype=torch.float32 if dt == tl.float32 else qc.dtype)
         slots = torch.zeros(strips + 1, dtype=torch.int32, device=qc.device)
-    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, u.shape[-1], cfg, dt,
-                                          "ieee" if dt == tl.float32 else "tf32"):
+    prec = "ieee" if dt == tl.float32 else "tf32"
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, u.shape[-1], cfg, dt, prec):
         kernel[(B * H * nc,)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, u,
-            dqc, dkc, dvc, dqu, dku, dvu, ds, slots,
+            dqc, dkc, dvc, dqu, dku, dvu, e, ds, slots,
             qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, B * H, strips, _window_or_len(window, L), scale,
             lse.shape[1], u.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
-    return dqc.to(qc.dtype), dkc, dvc, dqu, dku.to(qc.dtype), dvu.to(qc.dtype)
+    # fp32 inputs: the row gradients are finished in place
+    outs = (dqc, dku, dvu) if qc.dtype == torch.float32 else [torch.empty(B, H, L, D, dtype=qc.dtype,
+                                                                          device=qc.device) for _ in range(3)]
+    _castle_bwd_finish_kernel[(B * H * nr,)](
+        qc, vu, e, dqc, dku, dvu, *outs, qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, scale,
+        HEAD_DIM=D, BM=cfg.m_bwd, BLOCK_D=u.shape[-1], DT=dt, PREC=prec, num_warps=4,
+    )
+    dqc, dku, dvu = outs
+    return dqc, dkc, dvc, dqu, dku, dvu
 
 
 class _CastleTriton(torch.autograd.Function):
