@@ -484,18 +484,27 @@ if triton is not None:
         if DS_MODE != 2:
             kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
             vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
-            # U_c as of the start of the last row block (saved by the forward; read only).
+        last_row = _last_row_block(c, W, NR, BM, BN)
+        own_row = c // (BM // BN)                                 # the row block holding key block c
+        if SIGMA_GRADS:
+            # dU flows from the later rows: walk the row blocks down, from U_c as of the start of the last
+            # one (saved by the forward; read only), undoing each row's update of it (eq 33).
+            a = NR - 1
+            step = -1
             u = tl.load(U + bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
+        else:
+            # Without dU, walk up and build U_c as the forward does. (For "stored", the second pass then
+            # reads the strip and the row tiles back in the reverse order of the first: L2 still has them.)
+            a = own_row
+            step = 1
+            u = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         du = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dkc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dvc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dqu = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
-        last_row = _last_row_block(c, W, NR, BM, BN)
-        own_row = c // (BM // BN)                                 # the row block holding key block c
 
         # A while loop: the interpreter cannot take range() bounds that depend on the program.
-        a = NR - 1
-        while a >= own_row:
+        while (a >= own_row) & (a < NR):
             rows_a = a * BM + offs_m
             mask_a = (rows_a[:, None] < L) & dmask
             ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
@@ -519,15 +528,17 @@ if triton is not None:
                 do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
                 lse_a = tl.load(LSE + lse_off + rows_a)
                 delta_a = tl.load(DELTA + lse_off + rows_a)
-                # Recompute the scores of the tile (eqs 22/24, 19), undoing row a's update of U_c (eq 33).
+                # Recompute the scores of the tile (eqs 22/24, 19) from U_c as of the start of row block a.
                 s = tl.zeros([BM, BN], dtype=tl.float32)
                 if in_window:
-                    if folded:
+                    if SIGMA_GRADS and folded:
                         u -= tl.dot(sig, vu_a, input_precision=PREC)
                     s = tl.dot(r, tl.trans(sig), input_precision=PREC)
                 u_t = u.to(DT)
                 if after:
                     s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
+                if not SIGMA_GRADS and folded:
+                    u += tl.dot(sig, vu_a, input_precision=PREC)                        # eq (23)
                 # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
                 # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
                 sg = _sigmoid(s, DT)
@@ -573,7 +584,7 @@ if triton is not None:
                 tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
             if SIGMA_GRADS and after:
                 du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
-            a -= 1
+            a += step
 
         gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
         if CAUSAL_GRADS:
