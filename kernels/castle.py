@@ -53,7 +53,7 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
                 it back instead of recomputing the scores (no U), and forms E: 11 + 9 tile matmuls per
                 step instead of 12 + 13. Strips are recycled between programs (4 per SM, linear in L:
                 138 MB at L = 2048).
-    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.15 ms with "stored", 3.47 with "split", both
+    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.05 ms with "stored", 3.41 with "split", both
     64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
@@ -285,7 +285,7 @@ def _default_config(block_d, dtype, variant=BWD_VARIANT):
 def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     """Tiles per head dim on a GPU. Forward: the fastest of scripts/bench_castle.py --sweep on an H100
     (bf16, L = 2048). Backward, D <= 64: the sweep's winners (H100, B8 H9 L2048: stored and split 64/64,
-    fwd+bwd 3.20 / 3.57 ms; H200, B8 H16: fused 64/32). D = 128: the sweep's winner on an H100 for every
+    fwd+bwd 3.20 / 3.57 ms in session 16; H200, B8 H16: fused 64/32). D = 128: the sweep's winner on an H100 for every
     variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5)."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
