@@ -486,18 +486,19 @@ if triton is not None:
             vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
         last_row = _last_row_block(c, W, NR, BM, BN)
         own_row = c // (BM // BN)                                 # the row block holding key block c
+        u = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         if SIGMA_GRADS:
             # dU flows from the later rows: walk the row blocks down, from U_c as of the start of the last
             # one (saved by the forward; read only), undoing each row's update of it (eq 33).
             a = NR - 1
             step = -1
-            u = tl.load(U + bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
+            if DS_MODE == 0:
+                u = tl.load(U + bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
         else:
             # Without dU, walk up and build U_c as the forward does. (For "stored", the second pass then
             # reads the strip and the row tiles back in the reverse order of the first: L2 still has them.)
             a = own_row
             step = 1
-            u = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         du = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dkc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dvc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
