@@ -33,17 +33,17 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     program a-1 through a per-(head, row block) progress counter (release/acquire atomics); programs draw
     tickets from an atomic counter, so a program only ever waits on one that has already started: no
     deadlock whatever order the GPU starts them in. Rows run as a wave one tile apart, in one launch.
-  * Backward, one program per (key block c, batch*head), with no waiting: it starts from the saved U_c
-    (its value where the backward's last row block starts), walks the row blocks from the last one down,
-    and recovers the earlier values by subtraction (spec eq 33), carrying U_c, dU_c and the key-block
-    gradients dKc, dVc, dQu. Row gradients dQc, dKu, dVu are fp32 atomic adds, so the backward is not
-    bitwise deterministic (like FlashAttention's dQ); the forward is. The two gradient paths into a
-    sigma tile (the local term, and the update of U_c) are summed before one use. E (eq 31), the score
-    gradient's path into the local term, only meets operands of its row block, so the backward sums its
-    tiles per row block (fp32, L x m per head) and a last small launch takes its two products once per
-    row block while it casts the row gradients to the output dtype. A step recomputes
-    ~8 tiles and keeps most of them live, so it runs out of registers (255 and spills at every tile
-    size, scripts/castle_regs.py); three schedules of the same code trade registers for work
+  * Backward, one program per (key block c, batch*head), with no waiting: it starts from the saved U_c (its
+    value where the backward's last row block starts), walks the row blocks from the last one down, and
+    recovers the earlier values by subtraction (spec eq 33), carrying U_c, dU_c and the key-block gradients
+    dKc, dVc, dQu; a pass that needs no dU walks up instead, building U_c as the forward does. Row gradients
+    dQc, dKu, dVu are fp32 atomic adds, so the backward is not bitwise deterministic (like FlashAttention's
+    dQ); the forward is. The two gradient paths into a sigma tile (the local term, and the update of U_c)
+    are summed before one use. E (eq 31), the score gradient's path into the local term, only meets operands
+    of its row block, so the backward sums its tiles per row block (fp32, L x m per head) and a last small
+    launch takes its two products once per row block while it casts the row gradients to the output dtype. A
+    step recomputes ~8 tiles and keeps most of them live, so it runs out of registers (255 and spills at
+    every tile size, scripts/castle_regs.py); three schedules of the same code trade registers for work
     (CASTLE_BWD_VARIANT, default "stored"; see BWD_VARIANTS):
       "fused"   one launch, one pass, the five carried (n x d) fp32 states in registers;
       "split"   two launches that each recompute the scores: dVc, dKc, dQc and E (carrying U, dKc, dVc),
@@ -456,16 +456,17 @@ if triton is not None:
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         DS_MODE: tl.constexpr,
     ):
-        """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c.
+        """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
+        without SIGMA_GRADS (no dU to carry), up from the own block of c.
 
-        Carried for key block c: U_c (as of the start of row block a + 1 on entering a step), dU_c
-        (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in registers; U_c is read from
-        this program's rows of the fp32 (BH, s_rows, BLOCK_D) buffer, and dKc, dVc, dQu, which only this
-        column writes, go to their (B, H, L, D) outputs scaled and in the output dtype. Which gradients
-        a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E added to the fp32 (BH,
-        NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu, dVu. DS_MODE: 0
-        recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this program's
-        (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
+        Carried for key block c: U_c (walking down: as of the start of row block a + 1 on entering a step, read
+        from this program's rows of the fp32 (BH, s_rows, BLOCK_D) buffer; walking up: as of the start of row
+        block a, from zero), dU_c (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in
+        registers; dKc, dVc, dQu, which only this column writes, go to their (B, H, L, D) outputs scaled and in
+        the output dtype. Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E
+        added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu,
+        dVu. DS_MODE: 0 recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this
+        program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
         there instead of recomputing the scores (then U is not needed at all) and forms E."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
