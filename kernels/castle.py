@@ -57,7 +57,8 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
-  * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32), fp32 gradient accumulators,
+  * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
+    and "split"), fp32 gradient accumulators,
     E per row block (L x m fp32), and for "stored" the dS strips (4 per SM, L x n each).
   * Precision: bf16 matmul operands (U, sigma, R, P, dS ... rounded as FlashAttention rounds P), fp32
     accumulators, statistics, U and dU. On long unit-variance inputs the gradients then carry ~2e-2
@@ -451,7 +452,7 @@ if triton is not None:
     @triton.jit
     def _bwd_column(
         bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, E, DS, ds_slot,
-        stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows, s_rows,
+        stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         DS_MODE: tl.constexpr,
@@ -460,7 +461,7 @@ if triton is not None:
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
 
         Carried for key block c: U_c (walking down: as of the start of row block a + 1 on entering a step, read
-        from this program's rows of the fp32 (BH, s_rows, BLOCK_D) buffer; walking up: as of the start of row
+        from this program's rows of the fp32 (BH, lse_rows, BLOCK_D) buffer; walking up: as of the start of row
         block a, from zero), dU_c (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in
         registers; dKc, dVc, dQu, which only this column writes, go to their (B, H, L, D) outputs scaled and in
         the output dtype. Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E
@@ -494,7 +495,7 @@ if triton is not None:
             a = NR - 1
             step = -1
             if DS_MODE == 0:
-                u = tl.load(U + bh.to(tl.int64) * s_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
+                u = tl.load(U + bh.to(tl.int64) * lse_rows * BLOCK_D + rows_c[:, None] * BLOCK_D + offs_d[None, :])
         else:
             # Without dU, walk up and build U_c as the forward does. (For "stored", the second pass then
             # reads the strip and the row tiles back in the reverse order of the first: L2 still has them.)
@@ -598,7 +599,7 @@ if triton is not None:
     @triton.jit
     def _castle_bwd_kernel(
         QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, E, DS, SLOTS,
-        stride_b, stride_h, stride_l, H, L, NR, NC, NBH, NSLOTS, W, scale: tl.constexpr, lse_rows, s_rows,
+        stride_b, stride_h, stride_l, H, L, NR, NC, NBH, NSLOTS, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         STORED: tl.constexpr, HEAD_GROUP: tl.constexpr,
@@ -617,18 +618,18 @@ if triton is not None:
             ds_slot = slot.to(tl.int64) * (NR * BM * BN)
             bh, c = _bwd_work_item(t, NBH, NC, HEAD_GROUP)
             _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1)
             tl.debug_barrier()   # the strip is written by every thread and read back by others
             _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2)
             tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
             tl.atomic_xchg(SLOTS + slot, t // NSLOTS + 1, sem="release", scope="gpu")
         else:
             bh, c = _bwd_work_item(tl.program_id(0), NBH, NC, HEAD_GROUP)
             _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows, s_rows,
+                        E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
 
     @triton.jit
@@ -728,8 +729,10 @@ def _ds_strips(device, work):
 
 
 def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
+    """u: the U the forward saved for the backward; None for "stored", which rebuilds it."""
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
+    block_d = max(16, triton.next_power_of_2(D))
     nr, nc = triton.cdiv(L, cfg.m_bwd), triton.cdiv(L, cfg.n_bwd)
     do = do.contiguous()
     delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
@@ -746,19 +749,19 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
                          dtype=torch.float32 if dt == tl.float32 else qc.dtype)
         slots = torch.zeros(strips + 1, dtype=torch.int32, device=qc.device)
     prec = "ieee" if dt == tl.float32 else "tf32"
-    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, u.shape[-1], cfg, dt, prec):
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, prec):
         kernel[(B * H * nc,)](
-            qc, kc, vc, qu, ku, vu, do, lse, delta, u,
+            qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read
             dqc, dkc, dvc, dqu, dku, dvu, e, ds, slots,
             qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, B * H, strips, _window_or_len(window, L), scale,
-            lse.shape[1], u.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
+            lse.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
     # fp32 inputs: the row gradients are finished in place
     outs = (dqc, dku, dvu) if qc.dtype == torch.float32 else [torch.empty(B, H, L, D, dtype=qc.dtype,
                                                                           device=qc.device) for _ in range(3)]
     _castle_bwd_finish_kernel[(B * H * nr,)](
         qc, vu, e, dqc, dku, dvu, *outs, qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, scale,
-        HEAD_DIM=D, BM=cfg.m_bwd, BLOCK_D=u.shape[-1], DT=dt, PREC=prec, num_warps=4,
+        HEAD_DIM=D, BM=cfg.m_bwd, BLOCK_D=block_d, DT=dt, PREC=prec, num_warps=4,
     )
     dqc, dku, dvu = outs
     return dqc, dkc, dvc, dqu, dku, dvu
@@ -770,7 +773,8 @@ class _CastleTriton(torch.autograd.Function):
         L = qc.shape[-2]
         save_t = (triton.cdiv(L, cfg.m_bwd) - 1) * cfg.m_bwd  # start of the backward's last row block
         out, lse, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
-        ctx.save_for_backward(qc, kc, vc, qu, ku, vu, out, lse, u)
+        # "stored" rebuilds U_c in its first pass, so U (L x d fp32 per head) is not kept for it
+        ctx.save_for_backward(qc, kc, vc, qu, ku, vu, out, lse, u if cfg.bwd_variant != "stored" else None)
         ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
         return out
 

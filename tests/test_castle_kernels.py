@@ -320,6 +320,18 @@ def test_triton_backward_twice(variant):
 
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+def test_triton_saves_u_only_when_read(variant):
+    """Activation memory: "stored" rebuilds U_c in its first pass, so autograd keeps only the inputs, the
+    output and lse; the variants that start from the saved U keep its fp32 (BH, rows, block_d) buffer."""
+    xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        castle._attn_triton(*xs, None, 32 ** -0.5, dataclasses.replace(TILE16, bwd_variant=variant))
+    u_like = [t for t in saved if t.dim() == 3 and t.shape[-1] == 32]
+    assert len(saved) == 8 + (variant != "stored") and len(u_like) == (variant != "stored")
+
+
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("window", [None, 37])
 def test_triton_gpu_default_tiles(D, window, variant):
