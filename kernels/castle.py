@@ -633,6 +633,20 @@ if triton is not None:
                         HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
 
     @triton.jit
+    def _castle_delta_kernel(DO, OUT, DELTA, L, rows_out, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        """Delta = rowsum(dO * O) in fp32 (spec §3.5) for BLOCK rows of head program_id(0); rows L .. rows_out
+        (the padding of LSE's layout) get 0. dO and O: contiguous (B, H, L, D)."""
+        bh = tl.program_id(0).to(tl.int64)
+        rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        offs_d = tl.arange(0, BLOCK_D)
+        mask = (rows[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
+        ptr = bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        do = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
+        out = tl.load(OUT + ptr, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DELTA + bh * rows_out + rows, tl.sum(do * out, 1), mask=rows < rows_out)
+
+    @triton.jit
     def _castle_bwd_finish_kernel(
         QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b, stride_h, stride_l, H, L, NR,
         scale: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -735,8 +749,9 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     block_d = max(16, triton.next_power_of_2(D))
     nr, nc = triton.cdiv(L, cfg.m_bwd), triton.cdiv(L, cfg.n_bwd)
     do = do.contiguous()
-    delta = torch.zeros_like(lse)                                                   # spec §3.5, Delta
-    delta[:, :L] = (do.float() * out.float()).sum(-1).flatten(0, 1)
+    delta = torch.empty_like(lse)                                                   # spec §3.5, Delta
+    _castle_delta_kernel[(B * H, triton.cdiv(lse.shape[1], 64))](do, out, delta, L, lse.shape[1], HEAD_DIM=D,
+                                                                  BLOCK_D=block_d, BLOCK=64)
     dqc, dku, dvu = (torch.zeros(B, H, L, D, dtype=torch.float32, device=qc.device) for _ in range(3))
     e = torch.zeros(B * H, nr * cfg.m_bwd, cfg.m_bwd, dtype=torch.float32, device=qc.device)  # E per row block
     # key-block gradients: one owner per row, written in the input dtype by the kernels
