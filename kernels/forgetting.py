@@ -249,10 +249,11 @@ def _bwd_kernel(Q, K, V, CO, CB, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
                 scale: tl.constexpr, scale2: tl.constexpr,
                 stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                 stride_vb, stride_vh, stride_vl, H, L,
-                HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_LARGE: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_SMALL_DQ: tl.constexpr,
+                BLOCK_LARGE: tl.constexpr, DOT_PREC: tl.constexpr):
     # grid (B*H, L/BLOCK_LARGE): program t owns key tile t (dK, dV, colsums) and query tile t
-    # (dQ, rowsums); both tiles are BLOCK_LARGE long and loop over BLOCK_SMALL sub-tiles
+    # (dQ, rowsums); both tiles are BLOCK_LARGE long; the dK/dV loop takes BLOCK_SMALL queries a
+    # step, the dQ loop BLOCK_SMALL_DQ keys
     bh = tl.program_id(0)
     start = tl.program_id(1) * BLOCK_LARGE
     b = (bh // H).to(tl.int64)
@@ -303,10 +304,10 @@ def _bwd_kernel(Q, K, V, CO, CB, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
     dcq = tl.zeros([BLOCK_LARGE], tl.float32)
     dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
                             stride_vl, offs, start, start + BLOCK_LARGE, scale2,
-                            HEAD_DIM, BLOCK_SMALL, True, DOT_PREC)
+                            HEAD_DIM, BLOCK_SMALL_DQ, True, DOT_PREC)
     dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
                             stride_vl, offs, 0, start, scale2,
-                            HEAD_DIM, BLOCK_SMALL, False, DOT_PREC)
+                            HEAD_DIM, BLOCK_SMALL_DQ, False, DOT_PREC)
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty))
     tl.store(DCQ + offs, dcq)
 
@@ -365,8 +366,9 @@ def _cfg(num_warps, num_stages, **blocks):
 
 
 # H100, bf16, D = 64 (scripts/bench_forgetting.py --show-tuning): forward 128 x 64 with 4 warps
-# wins at every L; the backward wins with 32-query sub-tiles of 128-key tiles (4 warps, 5 stages).
-# The others stay for D = 128 (not timed yet) and other GPUs.
+# wins at every L; the backward with 128-token tiles, 32-query sub-tiles for dK/dV and 64-key ones
+# for dQ (4 warps, 3 stages; 3-4% faster fwd+bwd than 32 for both, scripts/NOTES_forgetting.md).
+# The others stay for D = 128 and other GPUs.
 _FWD_CONFIGS = [
     _cfg(4, 3, BLOCK_M=128, BLOCK_N=64),
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=64),
@@ -375,23 +377,26 @@ _FWD_CONFIGS = [
     _cfg(4, 4, BLOCK_M=128, BLOCK_N=32),
 ]
 _BWD_CONFIGS = [
-    _cfg(4, 5, BLOCK_SMALL=32, BLOCK_LARGE=128),
-    _cfg(8, 3, BLOCK_SMALL=32, BLOCK_LARGE=128),
-    _cfg(8, 2, BLOCK_SMALL=64, BLOCK_LARGE=128),
-    _cfg(4, 3, BLOCK_SMALL=32, BLOCK_LARGE=64),
-    _cfg(4, 2, BLOCK_SMALL=64, BLOCK_LARGE=64),
+    _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=64, BLOCK_LARGE=128),
+    _cfg(4, 4, BLOCK_SMALL=32, BLOCK_SMALL_DQ=64, BLOCK_LARGE=128),
+    _cfg(4, 5, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=128),
+    _cfg(8, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=64, BLOCK_LARGE=128),
+    _cfg(8, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=128),
+    _cfg(8, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=128),
+    _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=64),
+    _cfg(4, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),
 ]
 _KEY = ["L", "HEAD_DIM", "DOT_PREC"]
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_KEY)(_fwd_kernel)
 _bwd_tuned = triton.autotune(_BWD_CONFIGS, key=_KEY)(_bwd_kernel)
 assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in _FWD_CONFIGS)
-assert all(c.kwargs["BLOCK_LARGE"] % c.kwargs["BLOCK_SMALL"] == 0 for c in _BWD_CONFIGS)
+assert all(c.kwargs["BLOCK_LARGE"] % c.kwargs[b] == 0 for c in _BWD_CONFIGS for b in ("BLOCK_SMALL", "BLOCK_SMALL_DQ"))
 # without autotuning: tiny tiles under the interpreter; fp32, a correctness path, gets one small
 # config (fp32 tiles take twice the registers and shared memory)
 _FWD_FIXED = {"interpret": dict(BLOCK_M=16, BLOCK_N=16),
               "fp32": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)}
-_BWD_FIXED = {"interpret": dict(BLOCK_SMALL=16, BLOCK_LARGE=16),
-              "fp32": dict(BLOCK_SMALL=16, BLOCK_LARGE=32, num_warps=4, num_stages=2)}
+_BWD_FIXED = {"interpret": dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=16, BLOCK_LARGE=16),
+              "fp32": dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=16, BLOCK_LARGE=32, num_warps=4, num_stages=2)}
 
 
 def _launch(tuned, kernel, fixed, grid_fn, *args, **kwargs):
