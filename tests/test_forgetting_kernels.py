@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import forgetting as fox
 from kernels.forgetting import _MAX_BLOCK, _gate_grad, _split_c, fgate_cumsum, forgetting_attn, forgetting_decode
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -138,6 +139,19 @@ def test_triton_matches_reference(L, D, decay, dtype, tol):
     o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
     assert o.dtype == dtype and all(g.dtype == x.dtype for g, x in zip(grads, (q, k, v, log_fgate)))
     check(o, grads, o_ref, grads_ref, tol)
+
+
+@pytest.mark.skipif(not fox._INTERPRET, reason="on a GPU the autotuned tiles run (test_gpu_*)")
+def test_triton_dq_subtile_differs(monkeypatch):
+    """The backward's dQ loop with key sub-tiles twice the dK/dV loop's query sub-tiles (as the GPU's
+    autotuned 32 / 64): 32-token tiles under the interpreter, so L = 70 crosses several of each."""
+    monkeypatch.setattr(fox, "_MAX_BLOCK", 32)
+    monkeypatch.setattr(fox, "_C_BLOCK", 32)
+    monkeypatch.setitem(fox._BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=32, BLOCK_LARGE=32))
+    q, k, v, log_fgate = make_inputs(1, 2, 70, 32, decay="weak")
+    o, grads, do = run(q, k, v, log_fgate, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
+    check(o, grads, o_ref, grads_ref, 2e-5)
 
 
 @pytest.mark.parametrize("L,D", [(32, 32), (23, 48)])
