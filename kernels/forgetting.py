@@ -390,7 +390,8 @@ _KEY = ["L", "HEAD_DIM", "DOT_PREC"]
 _fwd_tuned = triton.autotune(_FWD_CONFIGS, key=_KEY)(_fwd_kernel)
 _bwd_tuned = triton.autotune(_BWD_CONFIGS, key=_KEY)(_bwd_kernel)
 assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in _FWD_CONFIGS)
-assert all(c.kwargs["BLOCK_LARGE"] % c.kwargs[b] == 0 for c in _BWD_CONFIGS for b in ("BLOCK_SMALL", "BLOCK_SMALL_DQ"))
+assert all(c.kwargs["BLOCK_LARGE"] % c.kwargs[sub] == 0
+           for c in _BWD_CONFIGS for sub in ("BLOCK_SMALL", "BLOCK_SMALL_DQ"))
 # without autotuning: tiny tiles under the interpreter; fp32, a correctness path, gets one small
 # config (fp32 tiles take twice the registers and shared memory)
 _FWD_FIXED = {"interpret": dict(BLOCK_M=16, BLOCK_N=16),
