@@ -6,15 +6,22 @@
     python scripts/bench_train.py --models baseline_paper_S --override model.mlp_multiple_of=64
     python scripts/bench_train.py --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
     python scripts/bench_train.py --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
+    python scripts/bench_train.py --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
 
 Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
 overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
 experiment's context (or --seq-len). Random tokens: throughput does not depend on the data. MFU uses
 the model's own FLOP count (`GPT.flops_per_token`: 6N + each attention's FLOPs for the keys a causal
 query really sees).
+
+With --rounds R > 1 every model is compiled and warmed once and stays resident; then R rounds each time every
+model for --steps steps, every other round in reverse order, so that clock and thermal drift hit the models
+alike. Rows give the median tokens/s over the rounds and their range, and each model's tokens/s relative to
+the first model, round by round (median and range). Peak memory then includes the other resident models.
 """
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -47,8 +54,8 @@ def model_config(name, seq_len, overrides=()):
     return config, cfg.train.seq_len
 
 
-def bench(name, args, device):
-    torch._dynamo.reset()                 # a fresh compile per model (else the recompile limit hits)
+def prepare(name, args, device):
+    """A compiled, warmed-up model of experiment `name`: a dict with its one-step function and sizes."""
     config, T = model_config(name, args.seq_len, args.override)
     batch = max(1, args.batch_tokens // T)
     torch.manual_seed(0)
@@ -65,30 +72,38 @@ def bench(name, args, device):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
 
     for _ in range(args.warmup):            # compilation and autotuning happen here
         step()
+    return {"name": name, "model": model, "step": step, "T": T, "batch": batch, "tok_s": []}
+
+
+def time_steps(bench, args, device):
+    """Run args.steps timed steps of a prepared model; appends its tokens/s to bench["tok_s"]."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     sync()
     t0 = time.perf_counter()
     for _ in range(args.steps):
-        loss = step()
+        bench["step"]()
     sync()
-    dt = (time.perf_counter() - t0) / args.steps
-    if args.profile:
-        print_profile(name, step, args.profile, device)
-    tokens = batch * T
-    row = {"model": name, "batch": batch, "params_M": model.num_params() / 1e6, "seq_len": T, "tok_s": tokens / dt,
-           "loss": loss.item()}
+    bench["tok_s"].append(bench["batch"] * bench["T"] * args.steps / (time.perf_counter() - t0))
     if device.type == "cuda":
-        row["mfu"] = model.flops_per_token(T) * tokens / dt / args.peak_flops
-        row["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
-    del model, opt, run
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+        bench["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+
+
+def table_row(bench, args, device, ratios=()):
+    """The markdown row of a measured model: median tokens/s over its rounds; with several rounds also their
+    range and the median (range) of its per-round ratio to the first model."""
+    model, T, tok_s = bench["model"], bench["T"], bench["tok_s"]
+    median = statistics.median(tok_s)
+    mfu = f"{model.flops_per_token(T) * median / args.peak_flops:.1%}" if device.type == "cuda" else "-"
+    mem = f"{bench['peak_GiB']:.1f}" if "peak_GiB" in bench else "-"
+    row = f"| {bench['name']} | {model.num_params() / 1e6:.1f}M | {T} x {bench['batch']} | {median:,.0f} | {mfu} | {mem} |"
+    if len(tok_s) > 1:
+        row += (f" {min(tok_s):,.0f} - {max(tok_s):,.0f} | {statistics.median(ratios):.3f}x "
+                f"({min(ratios):.3f} - {max(ratios):.3f}) |")
     return row
 
 
@@ -122,22 +137,43 @@ def main():
     p.add_argument("--peak-flops", type=float, default=989e12)
     p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS", help="print the top ROWS kernels of each model (CUDA)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the models (all resident) this many times, alternating; median, range and ratios")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
-    print("| model | params | context x batch | tokens/s | MFU | peak GiB |")
-    print("|---|---|---|---|---|---|", flush=True)
-    for name in args.models:             # each row as soon as it is measured
-        with prefer_sdpa_backend(args.sdpa_backend):
-            r = bench(name, args, device)
-        mfu = f"{r['mfu']:.1%}" if "mfu" in r else "-"
-        mem = f"{r['peak_GiB']:.1f}" if "peak_GiB" in r else "-"
-        print(f"| {r['model']} | {r['params_M']:.1f}M | {r['seq_len']} x {r['batch']} | {r['tok_s']:,.0f} | {mfu} "
-              f"| {mem} |", flush=True)
-
+    rounds = args.rounds > 1
+    if rounds and len(args.models) > 4:
+        p.error("--rounds keeps every model compiled at once: list at most 4 models (dynamo's recompile limit)")
+    print("| model | params | context x batch | tokens/s | MFU | peak GiB |"
+          + (" tokens/s range | vs the first model |" if rounds else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if rounds else ""), flush=True)
+    with prefer_sdpa_backend(args.sdpa_backend):
+        if not rounds:
+            for name in args.models:         # each row as soon as it is measured
+                torch._dynamo.reset()        # a fresh compile per model (else the recompile limit hits)
+                bench = prepare(name, args, device)
+                time_steps(bench, args, device)
+                if args.profile:
+                    print_profile(name, bench["step"], args.profile, device)
+                print(table_row(bench, args, device), flush=True)
+                del bench
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            return
+        torch._dynamo.reset()
+        benches = [prepare(name, args, device) for name in args.models]
+        for r in range(args.rounds):
+            for bench in benches if r % 2 == 0 else benches[::-1]:
+                time_steps(bench, args, device)
+        for bench in benches if args.profile else []:
+            print_profile(bench["name"], bench["step"], args.profile, device)
+    for bench in benches:
+        ratios = [t / first for t, first in zip(bench["tok_s"], benches[0]["tok_s"])]
+        print(table_row(bench, args, device, ratios), flush=True)
 
 if __name__ == "__main__":
     main()

@@ -151,6 +151,19 @@ def test_training_benchmark_script_runs():
     assert proc.stdout.count("graph breaks 0, top kernels") == 2 and "aten::mm" in proc.stdout
 
 
+def test_training_benchmark_rounds():
+    """--rounds: both models stay resident and are timed in alternation; rows add the range of tokens/s and
+    the ratio to the first model (exactly 1 for the first)."""
+    proc = run("scripts/bench_train.py", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
+                                          "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile",
+                                          "--rounds", "3", "--sdpa-backend", "math"])
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| tiny", "| castle"))]
+    assert len(rows) == 2 and all(len(r) == 8 for r in rows)
+    assert rows[0][7].strip() == "1.000x (1.000 - 1.000)" and rows[1][7].strip().endswith(")")
+    lo, hi = (float(x.replace(",", "")) for x in rows[1][6].split(" - "))
+    assert 0 < lo <= float(rows[1][3].replace(",", "")) <= hi
+
+
 def test_scaling_benchmark_script_runs(tmp_path):
     """scripts/bench_scaling.py under gloo: 1 and 2 ranks at one global batch follow the same curve."""
     args = ["--gpus", "1", "2", "--parallel", "ddp", "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--"]
