@@ -28,6 +28,7 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from torch._dynamo.utils import counters
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -73,9 +74,11 @@ def prepare(name, args, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    breaks = sum(counters["graph_break"].values())
     for _ in range(args.warmup):            # compilation and autotuning happen here
         step()
-    return {"name": name, "model": model, "step": step, "T": T, "batch": batch, "tok_s": []}
+    return {"name": name, "model": model, "step": step, "T": T, "batch": batch, "tok_s": [],
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks}
 
 
 def time_steps(bench, args, device):
@@ -107,18 +110,17 @@ def table_row(bench, args, device, ratios=()):
     return row
 
 
-def print_profile(name, step, rows, device):
+def print_profile(bench, rows, device):
     """Where one step's time goes: the top kernels (GPU; ops on CPU) over two profiled steps, and
     the graph breaks torch.compile took (each one splits the model into separately compiled pieces)."""
-    from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         for _ in range(2):
-            step()
+            bench["step"]()
         if cuda:
             torch.cuda.synchronize()
-    print(f"\n== {name}: graph breaks {sum(counters['graph_break'].values())}, top kernels of 2 steps")
+    print(f"\n== {bench['name']}: graph breaks {bench['graph_breaks']}, top kernels of 2 steps")
     print(prof.key_averages().table(sort_by="device_time_total" if cuda else "self_cpu_time_total",
                                     row_limit=rows, max_name_column_width=70), flush=True)
 
@@ -158,7 +160,7 @@ def main():
                 bench = prepare(name, args, device)
                 time_steps(bench, args, device)
                 if args.profile:
-                    print_profile(name, bench["step"], args.profile, device)
+                    print_profile(bench, args.profile, device)
                 print(table_row(bench, args, device), flush=True)
                 del bench
                 if device.type == "cuda":
@@ -170,7 +172,7 @@ def main():
             for bench in benches if r % 2 == 0 else benches[::-1]:
                 time_steps(bench, args, device)
         for bench in benches if args.profile else []:
-            print_profile(bench["name"], bench["step"], args.profile, device)
+            print_profile(bench, args.profile, device)
     for bench in benches:
         ratios = [t / first for t, first in zip(bench["tok_s"], benches[0]["tok_s"])]
         print(table_row(bench, args, device, ratios), flush=True)
