@@ -147,6 +147,8 @@ def main():
         torch.backends.cuda.matmul.allow_tf32 = True
     print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     rounds = args.rounds > 1
     if rounds and len(args.models) > 4:
         p.error("--rounds keeps every model compiled at once: list at most 4 models (dynamo's recompile limit)")
