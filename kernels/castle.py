@@ -53,13 +53,13 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
                 it back instead of recomputing the scores (no U), and forms E: 11 + 9 tile matmuls per
                 step instead of 12 + 13. Strips are recycled between programs (4 per SM, linear in L:
                 138 MB at L = 2048).
-    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 3.05 ms with "stored", 3.41 with "split", both
-    64/64 tiles (scripts/NOTES_castle.md).
+    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 2.91 ms with "stored" (3.05 before Delta became one
+    launch, when "split" took 3.41), both 64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
-    and "split"), fp32 gradient accumulators,
-    E per row block (L x m fp32), and for "stored" the dS strips (4 per SM, L x n each).
+    and "split"), fp32 gradient accumulators, E per row block (L x m fp32), and for "stored" the dS strips (4
+    per SM, L x n each).
   * Precision: bf16 matmul operands (U, sigma, R, P, dS ... rounded as FlashAttention rounds P), fp32
     accumulators, statistics, U and dU. On long unit-variance inputs the gradients then carry ~2e-2
     relative error, as much as the parallel form run with bf16 matmuls (autocast) has; fp32 inputs

@@ -103,7 +103,8 @@ def table_row(bench, args, device, ratios=()):
     median = statistics.median(tok_s)
     mfu = f"{model.flops_per_token(T) * median / args.peak_flops:.1%}" if device.type == "cuda" else "-"
     mem = f"{bench['peak_GiB']:.1f}" if "peak_GiB" in bench else "-"
-    row = f"| {bench['name']} | {model.num_params() / 1e6:.1f}M | {T} x {bench['batch']} | {median:,.0f} | {mfu} | {mem} |"
+    row = (f"| {bench['name']} | {model.num_params() / 1e6:.1f}M | {T} x {bench['batch']} | {median:,.0f} | {mfu} "
+           f"| {mem} |")
     if len(tok_s) > 1:
         row += (f" {min(tok_s):,.0f} - {max(tok_s):,.0f} | {statistics.median(ratios):.3f}x "
                 f"({min(ratios):.3f} - {max(ratios):.3f}) |")
@@ -149,14 +150,14 @@ def main():
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
-    rounds = args.rounds > 1
-    if rounds and len(args.models) > 4:
+    alternate = args.rounds > 1
+    if alternate and len(args.models) > 4:
         p.error("--rounds keeps every model compiled at once: list at most 4 models (dynamo's recompile limit)")
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |"
-          + (" tokens/s range | vs the first model |" if rounds else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if rounds else ""), flush=True)
+          + (" tokens/s range | vs the first model |" if alternate else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if alternate else ""), flush=True)
     with prefer_sdpa_backend(args.sdpa_backend):
-        if not rounds:
+        if not alternate:
             for name in args.models:         # each row as soon as it is measured
                 torch._dynamo.reset()        # a fresh compile per model (else the recompile limit hits)
                 bench = prepare(name, args, device)
