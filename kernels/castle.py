@@ -52,14 +52,14 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
                 tile's dS (bf16, as the matmuls take it) in a strip of scratch memory, the second reads
                 it back instead of recomputing the scores (no U), and forms E: 11 + 9 tile matmuls per
                 step instead of 12 + 13. Strips are recycled between programs (4 per SM, linear in L:
-                138 MB at L = 2048).
+                138 MB at L = 2048; fewer where they would take over a quarter of the free memory).
     On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 2.91 ms with "stored" (3.05 before Delta became one
     launch, when "split" took 3.41), both 64/64 tiles (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
     and "split"), fp32 gradient accumulators, E per row block (L x m fp32), and for "stored" the dS strips (4
-    per SM, L x n each).
+    per SM, L x n each, capped at a quarter of the free memory).
   * Precision: bf16 matmul operands (U, sigma, R, P, dS ... rounded as FlashAttention rounds P), fp32
     accumulators, statistics, U and dU. On long unit-variance inputs the gradients then carry ~2e-2
     relative error, as much as the parallel form run with bf16 matmuls (autocast) has; fp32 inputs
@@ -734,12 +734,25 @@ def _bwd_kernels(variant, D, block_d, cfg, dt, prec):
             ("sigma", _castle_bwd_kernel, {**consts, "CAUSAL_GRADS": False})]
 
 
-def _ds_strips(device, work):
+# Share of the free device memory the dS strips may take. Fewer strips than the programs that run at once
+# only make programs wait for one (tickets keep that deadlock-free), so very long L slows down instead of
+# running out of memory.
+_STRIP_MEMORY_SHARE = 0.25
+
+
+def _ds_strips(device, work, strip_bytes):
     """dS strips of the "stored" backward: four per SM, twice the programs that run at once (two per SM
-    at ~240 registers a thread), so that a strip is free again by the time its next ticket comes; under
-    the interpreter two, so that tests reuse strips."""
-    per_gpu = 2 if _interpreting() else 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return min(work, per_gpu)
+    at ~240 registers a thread), so that a strip is free again by the time its next ticket comes, and no
+    more than _STRIP_MEMORY_SHARE of the free memory (~35 MB a strip at L = 256K: 18 GB for 528 strips)
+    allows, but at least one; under the interpreter two, so that tests reuse strips."""
+    if _interpreting():
+        return min(work, 2)
+    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return _strip_count(work, 4 * torch.cuda.get_device_properties(device).multi_processor_count, strip_bytes, free)
+
+
+def _strip_count(work, wanted, strip_bytes, free_bytes):
+    return max(1, min(work, wanted, int(_STRIP_MEMORY_SHARE * free_bytes) // strip_bytes))
 
 
 def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
@@ -759,9 +772,9 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     dt = _dot_dtype(qc.dtype)
     strips, ds, slots = 0, None, None
     if cfg.bwd_variant == "stored":
-        strips = _ds_strips(qc.device, B * H * nc)
-        ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device,
-                         dtype=torch.float32 if dt == tl.float32 else qc.dtype)
+        ds_dtype = torch.float32 if dt == tl.float32 else qc.dtype
+        strips = _ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
+        ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
         slots = torch.zeros(strips + 1, dtype=torch.int32, device=qc.device)
     prec = "ieee" if dt == tl.float32 else "tf32"
     for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, prec):

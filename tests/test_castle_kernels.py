@@ -296,6 +296,26 @@ def test_triton_backward_head_groups(variant):
     assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
 
 
+def test_stored_backward_with_one_strip(monkeypatch):
+    """Memory-capped "stored" backward: every (head, key block) program recycles a single dS strip."""
+    monkeypatch.setattr(castle, "_ds_strips", lambda device, work, strip_bytes: 1)
+    xs = inputs(2, 2, 37, 32, torch.float32)
+    go = torch.randn(2, 2, 37, 32)
+    cfg = dataclasses.replace(TILE16, bwd_variant="stored")
+    _, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=7, impl="torch"), [x.double() for x in xs], go)
+    _, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 7, 32 ** -0.5, cfg), xs, go)
+    assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
+
+
+def test_strip_count_capped_by_free_memory():
+    """Four strips per SM unless they would take over a quarter of the free memory; never below one."""
+    mb = 2 ** 20
+    assert castle._strip_count(work=10_000, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 528
+    assert castle._strip_count(work=100, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 100
+    assert castle._strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=40_000 * mb) == 285
+    assert castle._strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=10 * mb) == 1
+
+
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 def test_triton_batch_and_head_permutation(variant):
     """Invariant 14 for the kernels, with B*H = 10 across two backward head groups."""
@@ -545,6 +565,15 @@ def test_gpu_triton_bf16(L, D, window):
 def test_gpu_triton_fp32(L, D, window):
     errs, _ = _gpu_case(2, 3, L, D, window, torch.float32)
     assert max(errs) < 1e-5, errs
+
+
+@pytest.mark.gpu
+def test_gpu_stored_backward_few_strips(monkeypatch):
+    """Strips capped below the programs that run at once (as when memory is short): the programs that wait
+    for a strip must neither deadlock nor read another program's dS."""
+    monkeypatch.setattr(castle, "_ds_strips", lambda device, work, strip_bytes: 3)
+    cfg = dataclasses.replace(castle._gpu_config(64, torch.bfloat16), bwd_variant="stored")
+    _assert_bf16(*_gpu_case(2, 8, 1031, 64, None, cfg=cfg))
 
 
 @pytest.mark.gpu
