@@ -126,6 +126,34 @@ def print_profile(bench, rows, device):
                                     row_limit=rows, max_name_column_width=70), flush=True)
 
 
+def run_one_by_one(args, device):
+    """Each model compiled, timed and freed before the next; its row printed as soon as it is measured."""
+    for name in args.models:
+        torch._dynamo.reset()                # a fresh compile per model (else the recompile limit hits)
+        bench = prepare(name, args, device)
+        time_steps(bench, args, device)
+        if args.profile:
+            print_profile(bench, args.profile, device)
+        print(table_row(bench, args, device), flush=True)
+        del bench
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_alternating(args, device):
+    """--rounds: every model compiled once and kept; rounds time them in turn, every other round reversed."""
+    torch._dynamo.reset()
+    benches = [prepare(name, args, device) for name in args.models]
+    for r in range(args.rounds):
+        for bench in benches if r % 2 == 0 else benches[::-1]:
+            time_steps(bench, args, device)
+    for bench in benches if args.profile else []:
+        print_profile(bench, args.profile, device)
+    for bench in benches:
+        ratios = [t / first for t, first in zip(bench["tok_s"], benches[0]["tok_s"])]
+        print(table_row(bench, args, device, ratios), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
@@ -157,28 +185,8 @@ def main():
           + (" tokens/s range | vs the first model |" if alternate else ""))
     print("|---|---|---|---|---|---|" + ("---|---|" if alternate else ""), flush=True)
     with prefer_sdpa_backend(args.sdpa_backend):
-        if not alternate:
-            for name in args.models:         # each row as soon as it is measured
-                torch._dynamo.reset()        # a fresh compile per model (else the recompile limit hits)
-                bench = prepare(name, args, device)
-                time_steps(bench, args, device)
-                if args.profile:
-                    print_profile(bench, args.profile, device)
-                print(table_row(bench, args, device), flush=True)
-                del bench
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            return
-        torch._dynamo.reset()
-        benches = [prepare(name, args, device) for name in args.models]
-        for r in range(args.rounds):
-            for bench in benches if r % 2 == 0 else benches[::-1]:
-                time_steps(bench, args, device)
-        for bench in benches if args.profile else []:
-            print_profile(bench, args.profile, device)
-    for bench in benches:
-        ratios = [t / first for t, first in zip(bench["tok_s"], benches[0]["tok_s"])]
-        print(table_row(bench, args, device, ratios), flush=True)
+        (run_alternating if alternate else run_one_by_one)(args, device)
+
 
 if __name__ == "__main__":
     main()
