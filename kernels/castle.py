@@ -679,6 +679,11 @@ def _interpreting():
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def _block_d(D):
+    """The head dim the kernels' tiles take: the next power of two, at least 16 (96 -> 128, masked)."""
+    return max(16, triton.next_power_of_2(D))
+
+
 def _dot_dtype(dtype):
     """Matmul operand dtype. The interpreter multiplies bf16 as raw integers (triton 3.6), so there the
     tiles are upcast to fp32: CPU runs check the algorithm, GPU runs the bf16 rounding."""
@@ -698,7 +703,7 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}."""
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = _block_d(D)
     nr = triton.cdiv(L, cfg.m_fwd)
     out = torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device)
     lse = torch.empty(B * H, nr * cfg.m_fwd, dtype=torch.float32, device=qc.device)
@@ -759,7 +764,7 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     """u: the U the forward saved for the backward; None for "stored", which rebuilds it."""
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = _block_d(D)
     nr, nc = triton.cdiv(L, cfg.m_bwd), triton.cdiv(L, cfg.n_bwd)
     do = do.contiguous()
     delta = torch.empty_like(lse)                                                   # spec §3.5, Delta
@@ -819,7 +824,7 @@ def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
     if qc.shape[-1] > 128:
         raise ValueError(f"the Triton kernels take head dims up to 128, got {qc.shape[-1]}; "
                          "use impl='blockwise' or a smaller head_dim")
-    cfg = cfg or _default_config(max(16, triton.next_power_of_2(qc.shape[-1])), qc.dtype)
+    cfg = cfg or _default_config(_block_d(qc.shape[-1]), qc.dtype)
     assert cfg.m_fwd % cfg.n_fwd == 0 and cfg.m_bwd % cfg.n_bwd == 0 and cfg.m_fwd % cfg.m_bwd == 0, cfg
     return _CastleTriton.apply(qc, kc, vc, qu, ku, vu, window, scale, cfg)
 
@@ -956,7 +961,7 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=N
     if L == 0:
         out, u = torch.empty_like(qc), qc.new_zeros(B, H, 0, D, dtype=cdt)
     elif qc.is_cuda and triton is not None and qc.dtype != torch.float64:
-        cfg = _default_config(max(16, triton.next_power_of_2(D)), qc.dtype)
+        cfg = _default_config(_block_d(D), qc.dtype)
         out, _, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L)
         u = u.view(B, H, -1, u.shape[-1])[:, :, :L, :D]
     else:

@@ -115,7 +115,7 @@ BWD_TILES = {64: [(64, 32, 4, 1), (32, 32, 4, 1), (32, 16, 4, 1), (64, 64, 4, 1)
 def sweep_configs(D, dtype, variants, fwd_tiles):
     """Backward tiles x backward variants (kernels/castle.py BWD_VARIANTS) with the default forward;
     with fwd_tiles also the forward tiles with the default backward."""
-    default = castle._default_config(max(16, triton.next_power_of_2(D)), dtype)
+    default = castle._default_config(castle._block_d(D), dtype)
     d = 64 if D <= 64 else 128
     cfgs = [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st, v)
             for v in variants for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]

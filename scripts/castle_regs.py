@@ -68,7 +68,7 @@ def signature(kernel, constexprs, dtype_name):
 def kernels_for(cfg, D, dtype, variants):
     """(label, jit function, constexprs, num_warps, num_stages) of the forward and the backward kernel(s)."""
     torch_dt, _, tl_dt = DTYPES[dtype]
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = castle._block_d(D)
     prec = "ieee" if tl_dt == tl.float32 else "tf32"
     fwd = ("fwd", castle._castle_fwd_kernel,
            dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=tl_dt, PREC=prec),
@@ -123,7 +123,7 @@ def main():
 
     jobs = JOBS
     for D in (int(d) for d in args.D.split(",")):
-        default_d, torch_dt = max(16, triton.next_power_of_2(D)), DTYPES[args.dtype][0]
+        default_d, torch_dt = castle._block_d(D), DTYPES[args.dtype][0]
         default = castle._default_config(default_d, torch_dt)
         d = 64 if D <= 64 else 128
         tiles = lambda cfg: [(cfg.m_bwd, cfg.n_bwd, cfg.warps_bwd, cfg.stages_bwd)]  # noqa: E731
