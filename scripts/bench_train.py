@@ -158,7 +158,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=DEFAULT_MODELS)
     p.add_argument("--batch-tokens", type=int, default=32768, help="tokens per step (sequences = this // context)")
-    p.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every model, e.g. model.mlp_multiple_of=64")
+    p.add_argument("--override", nargs="*", default=[],
+                   help="Hydra overrides for every model, e.g. model.mlp_multiple_of=64")
     p.add_argument("--seq-len", type=int, default=None, help="override the experiment's context")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -167,20 +168,21 @@ def main():
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--peak-flops", type=float, default=989e12)
     p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
-    p.add_argument("--profile", type=int, default=0, metavar="ROWS", help="print the top ROWS kernels of each model (CUDA)")
+    p.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                   help="print the top ROWS kernels of each model (CUDA)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the models (all resident) this many times, alternating; median, range and ratios")
     args = p.parse_args()
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     alternate = args.rounds > 1
     if alternate and len(args.models) > 4:
         p.error("--rounds keeps every model compiled at once: list at most 4 models (dynamo's recompile limit)")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |"
           + (" tokens/s range | vs the first model |" if alternate else ""))
     print("|---|---|---|---|---|---|" + ("---|---|" if alternate else ""), flush=True)

@@ -10,7 +10,8 @@ each).
 Each kernel is compiled by triton.compile (ASTSource, GPUTarget("cuda", 90, 64)) to PTX, with the
 specialisation a real launch at B=8 H=16 L=2048 gets (16-byte aligned pointers, ints divisible by 16),
 then `ptxas -arch=sm_90a -v` reads registers per thread, spill stores / loads (bytes per thread) and
-shared memory (Triton's dynamic allocation). 255 registers with spills means ptxas ran out: the kernel keeps too many tiles live.
+shared memory (Triton's dynamic allocation). 255 registers with spills means ptxas ran out: the kernel keeps
+too many tiles live.
 Rows are printed as they finish and again as a markdown table.
 
 Tiles are m/n/warps[/stages]: m = query rows, n = key rows. For the backward the tile is the backward's
