@@ -11,7 +11,7 @@ Public API (tensors are (B, H, L, D); fp32/bf16 in, same dtype out, fp32 math in
 
     castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
     castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None) -> (out, CastleCache)
-    castle_decode(cache, qc, kc, vc, qu, ku, vu) -> (out, CastleCache)      one new position, in place
+    castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto") -> (out, CastleCache)   one position, in place
 
 impl:
     "torch"     the parallel form above, L x L matrices and an L x L x L product (O(L^3)); the
@@ -40,11 +40,12 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     dQc, dKu, dVu are fp32 atomic adds, so the backward is not bitwise deterministic (like FlashAttention's
     dQ); the forward is. The two gradient paths into a sigma tile (the local term, and the update of U_c)
     are summed before one use. E (eq 31), the score gradient's path into the local term, only meets operands
-    of its row block, so the backward sums its tiles per row block (fp32, L x m per head) and a last small
-    launch takes its two products once per row block while it casts the row gradients to the output dtype. A
-    step recomputes ~8 tiles and keeps most of them live, so it runs out of registers (255 and spills at
-    every tile size, scripts/castle_regs.py); three schedules of the same code trade registers for work
-    (CASTLE_BWD_VARIANT, default "stored"; see BWD_VARIANTS):
+    of its row block, so the backward sums its tiles per row block (fp32, L x m per head); "finish" programs,
+    ticketed after all the columns (so they fill the slots the columns' tail leaves idle) and each waiting
+    for its head's columns, take its two products once per row block and cast the row gradients to the
+    output dtype. A step recomputes ~8 tiles and keeps most of them live, so it runs out of registers (255
+    and spills at every tile size, scripts/castle_regs.py); three schedules of the same code trade registers
+    for work (CASTLE_BWD_VARIANT, default "stored"; see BWD_VARIANTS):
       "fused"   one launch, one pass, the five carried (n x d) fp32 states in registers;
       "split"   two launches that each recompute the scores: dVc, dKc, dQc and E (carrying U, dKc, dVc),
                 then the sigma paths dU, dQu, dKu, dVu (carrying U, dU, dQu);
@@ -53,8 +54,9 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
                 it back instead of recomputing the scores (no U), and forms E: 11 + 9 tile matmuls per
                 step instead of 12 + 13. Strips are recycled between programs (4 per SM, linear in L:
                 138 MB at L = 2048; fewer where they would take over a quarter of the free memory).
-    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd takes 2.91 ms with "stored" (3.05 before Delta became one
-    launch, when "split" took 3.41), both 64/64 tiles (scripts/NOTES_castle.md).
+    On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd took 2.91 ms with "stored" (3.05 before Delta became one
+    launch, when "split" took 3.41), both 64/64 tiles; on an H200 2.83 ms since the finish items joined
+    the backward's launch (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
@@ -565,7 +567,7 @@ if triton is not None:
             if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
                 if DS_MODE == 2 or CAUSAL_GRADS:
                     # E (eq 31) only meets operands of row block a: summed over the key blocks here, its
-                    # products with Vu_a and Qc_a are taken once per row block (_castle_bwd_finish_kernel).
+                    # products with Vu_a and Qc_a are taken once per row block (_finish_rows).
                     e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0)
                     tl.atomic_add(E + e_ptr, e, sem="relaxed")
                 if SIGMA_GRADS:
@@ -598,39 +600,58 @@ if triton is not None:
 
     @triton.jit
     def _castle_bwd_kernel(
-        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, E, DS, SLOTS,
+        QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU, E, DS, SYNC,
+        DQC_OUT, DKU_OUT, DVU_OUT,
         stride_b, stride_h, stride_l, H, L, NR, NC, NBH, NSLOTS, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
-        STORED: tl.constexpr, HEAD_GROUP: tl.constexpr,
+        STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr,
     ):
-        """One program per (head, key block). Without STORED, one pass with the gradients selected. With
-        STORED, the causal pass, which stores every tile's dS in a strip of DS, then the sigma pass, which
-        reads dS back instead of recomputing the scores. DS holds NSLOTS strips of (NR*BM, BN) (linear
-        in L): the program with ticket t (SLOTS[NSLOTS] hands them out) takes strip t % NSLOTS once
-        ticket t - NSLOTS has released it (SLOTS[strip] counts releases). Tickets, not program ids: a
-        program only ever waits on one that has already started, so no order of starting deadlocks."""
-        if STORED:
-            t = tl.atomic_add(SLOTS + NSLOTS, 1)
-            slot = t % NSLOTS
-            while tl.atomic_add(SLOTS + slot, 0, sem="acquire", scope="gpu") < t // NSLOTS:
-                pass
-            ds_slot = slot.to(tl.int64) * (NR * BM * BN)
+        """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
+        work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
+        Tickets, not program ids: a program only ever waits on one that has already started, so no order
+        of starting deadlocks.
+
+        A work item without STORED is one pass with the gradients selected. With STORED, the causal pass,
+        which stores every tile's dS in a strip of DS, then the sigma pass, which reads dS back instead of
+        recomputing the scores. DS holds NSLOTS strips of (NR*BM, BN) (linear in L): ticket t takes strip
+        t % NSLOTS once ticket t - NSLOTS has released it (SYNC[strip] counts releases).
+
+        A finish item waits until every key block of its head is done (SYNC[NSLOTS + 1 + head] counts
+        them), then takes _finish_rows. Finish items come last, so they run in the slots that the work
+        items' tail leaves idle instead of as a launch of their own after it (fwd+bwd at B8 H9 L2048
+        2.88 -> 2.83 ms on an H200, 1-2% at every shape timed; scripts/NOTES_castle.md)."""
+        t = tl.atomic_add(SYNC + NSLOTS, 1)
+        done = SYNC + NSLOTS + 1
+        if t < NBH * NC:
             bh, c = _bwd_work_item(t, NBH, NC, HEAD_GROUP)
-            _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                        HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1)
-            tl.debug_barrier()   # the strip is written by every thread and read back by others
-            _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                        HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2)
-            tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
-            tl.atomic_xchg(SLOTS + slot, t // NSLOTS + 1, sem="release", scope="gpu")
+            if STORED:
+                slot = t % NSLOTS
+                while tl.atomic_add(SYNC + slot, 0, sem="acquire", scope="gpu") < t // NSLOTS:
+                    pass
+                ds_slot = slot.to(tl.int64) * (NR * BM * BN)
+                _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
+                            E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1)
+                tl.debug_barrier()   # the strip is written by every thread and read back by others
+                _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
+                            E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2)
+                tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
+                tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
+            else:
+                _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
+                            E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
+            if FINISH:
+                tl.debug_barrier()   # every thread's adds issued before the release publishes them
+                tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
         else:
-            bh, c = _bwd_work_item(tl.program_id(0), NBH, NC, HEAD_GROUP)
-            _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
-                        E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                        HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
+            f = t - NBH * NC
+            while tl.atomic_add(done + f // NR, 0, sem="acquire", scope="gpu") < NC:
+                pass
+            _finish_rows(f // NR, f % NR, QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b,
+                         stride_h, stride_l, H, L, NR, scale, HEAD_DIM, BM, BLOCK_D, DT, PREC)
 
     @triton.jit
     def _castle_delta_kernel(DO, OUT, DELTA, L, rows_out, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -647,16 +668,12 @@ if triton is not None:
         tl.store(DELTA + bh * rows_out + rows, tl.sum(do * out, 1), mask=rows < rows_out)
 
     @triton.jit
-    def _castle_bwd_finish_kernel(
-        QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b, stride_h, stride_l, H, L, NR,
-        scale: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr,
-    ):
-        """One program per (head, row block a): E_a, summed over key blocks by the backward, gives
-        dQc_a += s E_a Vu_a and dVu_a += s E_a^T Qc_a (eq 31); the three fp32 row gradients are then
-        written in the output dtype."""
-        bh = tl.program_id(0) // NR
-        a = tl.program_id(0) % NR
+    def _finish_rows(bh, a, QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b, stride_h, stride_l,
+                     H, L, NR, scale: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr,
+                     BLOCK_D: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+        """Row block a of head bh, once the backward's adds to it are done: E_a, summed over key blocks,
+        gives dQc_a += s E_a Vu_a and dVu_a += s E_a^T Qc_a (eq 31); the three fp32 row gradients are then
+        written in the output dtype. The sums are read through L2 (.cg): other programs wrote them."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, BLOCK_D)
@@ -664,14 +681,17 @@ if triton is not None:
         mask_a = (rows_a[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
         ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
         g_ptr = bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
-        e = tl.load(E + bh.to(tl.int64) * (NR * BM * BM) + rows_a[:, None] * BM + offs_m[None, :]).to(DT)
+        e = tl.load(E + bh.to(tl.int64) * (NR * BM * BM) + rows_a[:, None] * BM + offs_m[None, :],
+                    cache_modifier=".cg").to(DT)
         qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
         vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
-        dqc = tl.load(DQC + g_ptr, mask=mask_a, other=0.0) + tl.dot(e, vu_a, input_precision=PREC) * scale
-        dvu = tl.load(DVU + g_ptr, mask=mask_a, other=0.0) + tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+        dqc = tl.load(DQC + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
+        dqc += tl.dot(e, vu_a, input_precision=PREC) * scale
+        dvu = tl.load(DVU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
+        dvu += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
         tl.store(DQC_OUT + g_ptr, dqc.to(DQC_OUT.dtype.element_ty), mask=mask_a)
         tl.store(DVU_OUT + g_ptr, dvu.to(DVU_OUT.dtype.element_ty), mask=mask_a)
-        dku = tl.load(DKU + g_ptr, mask=mask_a, other=0.0)
+        dku = tl.load(DKU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
         tl.store(DKU_OUT + g_ptr, dku.to(DKU_OUT.dtype.element_ty), mask=mask_a)
 
 
@@ -729,13 +749,13 @@ def _bwd_kernels(variant, D, block_d, cfg, dt, prec):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=prec,
-                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, HEAD_GROUP=_BWD_HEAD_GROUP)
+                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP)
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":
         return [("stored", _castle_bwd_kernel, {**consts, "STORED": True})]
     assert variant == "split", f"backward variant must be one of {BWD_VARIANTS}, got {variant!r}"
-    return [("causal", _castle_bwd_kernel, {**consts, "SIGMA_GRADS": False}),
+    return [("causal", _castle_bwd_kernel, {**consts, "SIGMA_GRADS": False, "FINISH": False}),
             ("sigma", _castle_bwd_kernel, {**consts, "CAUSAL_GRADS": False})]
 
 
@@ -774,28 +794,24 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     e = torch.zeros(B * H, nr * cfg.m_bwd, cfg.m_bwd, dtype=torch.float32, device=qc.device)  # E per row block
     # key-block gradients: one owner per row, written in the input dtype by the kernels
     dkc, dvc, dqu = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(3))
+    # fp32 inputs: the row gradients are finished in place
+    outs = (dqc, dku, dvu) if qc.dtype == torch.float32 else [torch.empty(B, H, L, D, dtype=qc.dtype,
+                                                                          device=qc.device) for _ in range(3)]
     dt = _dot_dtype(qc.dtype)
-    strips, ds, slots = 0, None, None
+    strips, ds = 0, None
     if cfg.bwd_variant == "stored":
         ds_dtype = torch.float32 if dt == tl.float32 else qc.dtype
         strips = _ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
-        slots = torch.zeros(strips + 1, dtype=torch.int32, device=qc.device)
     prec = "ieee" if dt == tl.float32 else "tf32"
     for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, prec):
-        kernel[(B * H * nc,)](
+        sync = torch.zeros(strips + 1 + B * H, dtype=torch.int32, device=qc.device)  # strips, ticket, heads
+        kernel[(B * H * (nc + nr * consts["FINISH"]),)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read
-            dqc, dkc, dvc, dqu, dku, dvu, e, ds, slots,
+            dqc, dkc, dvc, dqu, dku, dvu, e, ds, sync, *outs,
             qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, B * H, strips, _window_or_len(window, L), scale,
             lse.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
         )
-    # fp32 inputs: the row gradients are finished in place
-    outs = (dqc, dku, dvu) if qc.dtype == torch.float32 else [torch.empty(B, H, L, D, dtype=qc.dtype,
-                                                                          device=qc.device) for _ in range(3)]
-    _castle_bwd_finish_kernel[(B * H * nr,)](
-        qc, vu, e, dqc, dku, dvu, *outs, qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, scale,
-        HEAD_DIM=D, BM=cfg.m_bwd, BLOCK_D=block_d, DT=dt, PREC=prec, num_warps=4,
-    )
     dqc, dku, dvu = outs
     return dqc, dkc, dvc, dqu, dku, dvu
 
@@ -913,19 +929,30 @@ class CastleCache:
         """Q^U of the owners the next token reaches (positions length - n .. length - 1)."""
         return self.qu_buf[..., self.qu_end - self.owners(self.length): self.qu_end, :]
 
-    def append(self, qu, kc, vc):
-        """Store position `length` in place: u = 0 (spec §4.1), and q^U, k^C, v^C given as (B, H, 1, D).
-        Call after adding the position to the lookahead keys of its owners (that reads self.qu)."""
+    def reserve(self):
+        """Room for position `length` in the U, K^C, V^C buffers: a full buffer doubles."""
         t = self.length
         if t == self.capacity:
             rows = _doubled(t)
             self.u_buf, self.kc_buf, self.vc_buf = (_grown(b, t, rows) for b in (self.u_buf, self.kc_buf, self.vc_buf))
-        self.u_buf[..., t, :] = 0
-        self.kc_buf[..., t: t + 1, :] = kc
-        self.vc_buf[..., t: t + 1, :] = vc
-        keep = self.owners(t + 1) - 1                          # older Q^U rows still read after this step
-        if keep >= 0:                                          # (SWL with W = 0 keeps no Q^U at all)
-            end = self.qu_end
+
+    def qu_slot(self):
+        """The Q^U row that position `length` goes to if it fits without moving rows, else None (also when
+        no Q^U row is kept: SWL with W = 0)."""
+        keep = self.owners(self.length + 1) - 1                # older Q^U rows still read after this step
+        if keep < 0 or self.qu_end == self.qu_buf.shape[-2]:
+            return None
+        return self.qu_end
+
+    def push_qu(self, qu, written):
+        """Record position `length`'s q^U (B, H, 1, D); `written`: already stored at qu_slot() (by the
+        decode kernel). A full buffer first moves the rows still needed to the front if they fill at most
+        half of it, else it doubles."""
+        keep = self.owners(self.length + 1) - 1
+        if keep < 0:                                           # SWL with W = 0 keeps no Q^U at all
+            return
+        end = self.qu_end
+        if not written:
             if end == self.qu_buf.shape[-2]:
                 if 0 < end and 2 * keep <= end:                # slide: the kept rows fit in the first half
                     self.qu_buf[..., :keep, :] = self.qu_buf[..., end - keep: end, :]
@@ -933,7 +960,17 @@ class CastleCache:
                 else:
                     self.qu_buf = _grown(self.qu_buf, end, _doubled(end))
             self.qu_buf[..., end: end + 1, :] = qu
-            self.qu_end = end + 1
+        self.qu_end = end + 1
+
+    def append(self, qu, kc, vc):
+        """Store position `length` in place: u = 0 (spec §4.1), and q^U, k^C, v^C given as (B, H, 1, D).
+        Call after adding the position to the lookahead keys of its owners (that reads self.qu)."""
+        self.reserve()
+        t = self.length
+        self.u_buf[..., t, :] = 0
+        self.kc_buf[..., t: t + 1, :] = kc
+        self.vc_buf[..., t: t + 1, :] = vc
+        self.push_qu(qu, written=False)
         self.length = t + 1
 
 
@@ -972,17 +1009,27 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=N
     return out, castle_cache_from(u.to(cdt), qu, kc, vc, window, scale, max_len)
 
 
-def castle_decode(cache, qc, kc, vc, qu, ku, vu):
+def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     """One new position (B, H, 1, D) -> (out, cache), spec §4.1, O(T d) for T cached positions.
 
     The cache is updated in place (and returned): eq (13) adds the token to the lookahead keys of the
     owners it reaches (every cached row for CASTLE, the last W for SWL; older rows are not touched),
-    then the position's own rows are written. The scores of eqs (5)-(8) take the causal part from SDPA
-    with the per-key bias -SiLU(s q^C u_j^T) (fp32 U and bias; for bf16/fp16 inputs the bias is
-    rounded to the input dtype, and q^U k^U is an input-dtype matmul, as the kernels' bf16 operands)."""
+    then the position's own rows are written, then eqs (5)-(8) score every cached position.
+
+    impl: "triton" does the whole step in two launches (_decode_triton), fp32 math on the cached
+    operands; "torch" in PyTorch ops, the causal part through SDPA with the per-key bias -SiLU(s q^C u_j^T)
+    (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul);
+    "auto" takes "triton" on CUDA unless autograd would need the graph (the kernels keep none)."""
     if qc.shape[-2] != 1:
         raise ValueError(f"castle_decode takes one position at a time, got {qc.shape[-2]}; "
                          "feed a longer prompt to castle_prefill")
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl={impl!r} is unknown; choose auto, torch or triton")
+    if impl == "auto":
+        tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
+        impl = "triton" if qc.is_cuda and triton is not None and qc.dtype != torch.float64 and not tracked else "torch"
+    if impl == "triton":
+        return _decode_triton(cache, qc, kc, vc, qu, ku, vu), cache
     t, scale, cdt = cache.length, cache.scale, cache.u_buf.dtype
     owners = cache.qu                                                         # positions t - n .. t - 1
     n = owners.shape[-2]
@@ -993,6 +1040,138 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu):
     s_u = scale * (qc.to(cdt) @ cache.u.mT)                                   # eq (6), (B, H, 1, t + 1)
     out = decode_sdpa(qc, cache.kc, cache.vc, attn_mask=_bias(s_u, qc.dtype), scale=scale)
     return out, cache                                                         # eqs (5), (7), (8)
+
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["t", "n_owners", "qu_shift", "qu_row", "per_split"])
+    def _castle_decode_kernel(
+        U, QUB, KCB, VCB, QC, KC, VC, QU, KU, VU, PART,
+        stride_b, stride_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split, scale: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
+    ):
+        """Program (head bh, split): cached positions [split * per_split, ...) of the new position t, BT at
+        a time. Owners j (t - n_owners <= j < t) take the token into their lookahead key, u_j += sigma(s
+        q^U_j . k^U_t) v^U_t (eq 13, written back in place); then every position's score s q^C_t . k^C_j -
+        SiLU(s q^C_t . u_j) (eqs 5-7) enters an online softmax whose state (m, l, acc), in log2 units, goes
+        to PART for _castle_decode_combine_kernel (split-K over positions, as flash-decoding does). The
+        split holding t writes the position's rows: u_t = 0, k^C_t, v^C_t, and q^U_t at qu_row (if >= 0).
+        U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH, qu_rows, D), position j at row
+        j - qu_shift; the new position's six vectors share (batch, head) strides."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        x_ptr = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_d
+        qc = tl.load(QC + x_ptr, mask=dmask, other=0.0).to(tl.float32) * scale
+        kc_t = tl.load(KC + x_ptr, mask=dmask, other=0.0).to(tl.float32)
+        vc_t = tl.load(VC + x_ptr, mask=dmask, other=0.0).to(tl.float32)
+        ku_t = tl.load(KU + x_ptr, mask=dmask, other=0.0).to(tl.float32) * scale
+        vu_t = tl.load(VU + x_ptr, mask=dmask, other=0.0).to(tl.float32)
+        c_base = bh.to(tl.int64) * cap * HEAD_DIM
+        q_base = bh.to(tl.int64) * qu_rows * HEAD_DIM
+
+        start = split * per_split
+        end = tl.minimum(start + per_split, t + 1)
+        m = tl.full([1], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        j0 = start
+        while j0 < end:
+            j = j0 + tl.arange(0, BT)
+            cached = (j < t)[:, None] & dmask[None, :]
+            ptr = c_base + j[:, None] * HEAD_DIM + offs_d[None, :]
+            u = tl.load(U + ptr, mask=cached, other=0.0)
+            if (j0 + BT > t - n_owners) & (j0 < t):
+                owner = ((j >= t - n_owners) & (j < t))[:, None] & dmask[None, :]
+                qu = tl.load(QUB + q_base + (j - qu_shift)[:, None] * HEAD_DIM + offs_d[None, :], mask=owner,
+                             other=0.0).to(tl.float32)
+                w = tl.sigmoid(tl.sum(qu * ku_t[None, :], 1))                             # eq (13)
+                u = tl.where(owner, u + w[:, None] * vu_t[None, :], u)
+                tl.store(U + ptr, u, mask=owner)
+            new = (j == t)[:, None]
+            kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
+            vc = tl.where(new, vc_t[None, :], tl.load(VCB + ptr, mask=cached, other=0.0).to(tl.float32))
+            s_u = tl.sum(qc[None, :] * u, 1)                                                # eq (6)
+            sc = (tl.sum(qc[None, :] * kc, 1) - s_u * tl.sigmoid(s_u)) * _LOG2E             # eqs (5), (7)
+            sc = tl.where(j < end, sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 0))
+            p = tl.exp2(sc - m_new)
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * vc, 0)
+            m = m_new
+            j0 += BT
+        if (start <= t) & (t < end):                     # the new position's own rows (spec §4.1)
+            row = c_base + t * HEAD_DIM + offs_d
+            tl.store(U + row, tl.zeros([BLOCK_D], dtype=tl.float32), mask=dmask)
+            tl.store(KCB + row, kc_t.to(KCB.dtype.element_ty), mask=dmask)
+            tl.store(VCB + row, vc_t.to(VCB.dtype.element_ty), mask=dmask)
+            if qu_row >= 0:
+                qu_t = tl.load(QU + x_ptr, mask=dmask)
+                tl.store(QUB + q_base + qu_row * HEAD_DIM + offs_d, qu_t, mask=dmask)
+        part = PART + (bh * tl.num_programs(1) + split).to(tl.int64) * (BLOCK_D + 2)
+        tl.store(part + offs_d, acc)
+        tl.store(part + BLOCK_D + tl.arange(0, 1), m)
+        tl.store(part + BLOCK_D + 1 + tl.arange(0, 1), l)
+
+    @triton.jit
+    def _castle_decode_combine_kernel(PART, OUT, splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_S: tl.constexpr):
+        """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of head program_id(0)."""
+        bh = tl.program_id(0)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        part = PART + (bh * splits + offs_s).to(tl.int64) * (BLOCK_D + 2)
+        smask = offs_s < splits
+        m = tl.load(part + BLOCK_D, mask=smask, other=float("-inf"))
+        l = tl.load(part + BLOCK_D + 1, mask=smask, other=0.0)
+        acc = tl.load(part[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))
+        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        tl.store(OUT + bh.to(tl.int64) * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_DECODE_PROGRAMS_PER_SM = 4
+
+
+def _decode_tiles(positions, heads, device):
+    """(rows per tile, positions per split, splits) of a decode step: enough programs to fill the GPU,
+    each a whole number of 64-row tiles; under the interpreter 16-row tiles and 4 "SMs", so that tiny
+    tests cross tiles and splits."""
+    rows, sms = (16, 4) if _interpreting() else (64, torch.cuda.get_device_properties(device).multi_processor_count)
+    splits = max(1, min(triton.cdiv(positions, rows), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
+    per_split = triton.cdiv(triton.cdiv(positions, splits), rows) * rows
+    return rows, per_split, triton.cdiv(positions, per_split)
+
+
+def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
+    """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax) and
+    the combine; the cache's bookkeeping stays on the host."""
+    if triton is None:
+        raise RuntimeError("castle_decode(impl='triton') needs the triton package; use impl='torch'")
+    if qc.dtype == torch.float64:
+        raise ValueError("castle_decode(impl='triton') computes in fp32; for fp64 inputs use impl='torch'")
+    cache.reserve()
+    if not all(b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
+        raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
+                         "castle_cache_from make them); use impl='torch' for others")
+    qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
+    B, H, _, D = qc.shape
+    t, n = cache.length, cache.owners(cache.length)
+    slot = cache.qu_slot()
+    rows, per_split, splits = _decode_tiles(t + 1, B * H, qc.device)
+    part = torch.empty(B * H, splits, _block_d(D) + 2, dtype=torch.float32, device=qc.device)
+    _castle_decode_kernel[(B * H, splits)](
+        cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, qc, kc, vc, qu, ku, vu, part,
+        qc.stride(0), qc.stride(1), H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
+        -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=_block_d(D), BT=rows,
+    )
+    cache.push_qu(qu, written=slot is not None)
+    cache.length = t + 1
+    out = torch.empty(B, H, 1, D, dtype=qc.dtype, device=qc.device)
+    _castle_decode_combine_kernel[(B * H,)](part, out, splits, HEAD_DIM=D, BLOCK_D=_block_d(D),
+                                            BLOCK_S=triton.next_power_of_2(splits))
+    return out
 
 
 def _bias(s_u, dtype):

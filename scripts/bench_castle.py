@@ -13,7 +13,8 @@ For SWL the same dense count is used (an "effective" rate). --sweep times the Tr
 configs instead: every backward variant (CASTLE_BWD_VARIANT) x backward tile, and with --sweep-fwd the
 forward tiles; the default variant and tiles are those of kernels/castle.py.
 
---decode times one decode step per token instead (runs on CPU too; see decode_bench):
+--decode times one decode step per token instead, on a GPU both castle_decode paths (the fused kernel and
+the PyTorch ops) against a KV-cache step (runs on CPU too, PyTorch ops only; see decode_bench):
 
     python scripts/bench_castle.py --decode --contexts 4096,32768 --windows none,512 --B 1 --H 16 --D 64
 """
@@ -217,6 +218,9 @@ def per_token_ms(step, xs, device):
     return statistics.median(times[len(times) // 10 + 1:])          # the first ~10% are warm-up
 
 
+IMPL_LABELS = {"triton": "fused kernel", "torch": "PyTorch ops + SDPA"}
+
+
 def decode_bench(args):
     """Per-token latency of castle_decode (CASTLE and SWL) against a standard KV-cache decode step at
     each context length T: the cache holds T positions, then steps time appending one more each."""
@@ -226,6 +230,7 @@ def decode_bench(args):
     B, H, D, n = args.B, args.H, args.D, args.steps
     scale = D ** -0.5
     contexts = [int(c) for c in args.contexts.split(",")]
+    impls = ("triton", "torch") if device.type == "cuda" else ("torch",)
     windows = [None if w.lower() == "none" else int(w) for w in args.windows.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
     print(f"$ python {' '.join(sys.argv)}")
@@ -242,17 +247,18 @@ def decode_bench(args):
         print(rows[-1], flush=True)
         del k_buf, v_buf
         for window in windows:
-            cache = castle_cache(B, H, T, D, window, dtype, device, n)
-            ms = per_token_ms(lambda *x, c=cache: castle_decode(c, *x)[0], xs, device)
-            assert cache.length == T + n and cache.capacity == T + n          # no step reallocated
-            mib = sum(v.numel() * v.element_size() for v in (cache.u, cache.qu, cache.kc, cache.vc)) / 2**20
-            label = "CASTLE decode" if window is None else "CASTLE-SWL decode"
-            rows.append((T, label, "" if window is None else window, f"{ms:.4f}", f"{ms / kv_ms:.2f}",
-                         f"{mib:.1f}"))
-            print(rows[-1], flush=True)
-            del cache
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            for impl in impls:
+                cache = castle_cache(B, H, T, D, window, dtype, device, n)
+                ms = per_token_ms(lambda *x, c=cache, i=impl: castle_decode(c, *x, impl=i)[0], xs, device)
+                assert cache.length == T + n and cache.capacity == T + n          # no step reallocated
+                mib = sum(v.numel() * v.element_size() for v in (cache.u, cache.qu, cache.kc, cache.vc)) / 2**20
+                label = ("CASTLE" if window is None else "CASTLE-SWL") + f" decode ({IMPL_LABELS[impl]})"
+                rows.append((T, label, "" if window is None else window, f"{ms:.4f}", f"{ms / kv_ms:.2f}",
+                             f"{mib:.1f}"))
+                print(rows[-1], flush=True)
+                del cache
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
     table(["context T", "decode step", "W", "ms / token (median)", "x KV", "cache MiB / layer"], rows)
 
 

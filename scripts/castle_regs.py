@@ -40,7 +40,7 @@ from kernels import castle  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 64)
 DTYPES = {"bf16": (torch.bfloat16, "bf16", tl.bfloat16), "fp32": (torch.float32, "fp32", tl.float32)}
-FP32_PTRS = {"LSE", "DELTA", "U", "DQC", "DKU", "DVU", "E"}  # fp32 buffers; SYNC, SLOTS int32, the rest input dtype
+FP32_PTRS = {"LSE", "DELTA", "U", "DQC", "DKU", "DVU", "E"}  # fp32 buffers; SYNC int32, the rest input dtype
 INT_ARGS = {"H", "L", "NR", "NC", "NBH", "NSLOTS", "W"}      # upper-case ints; other upper-case args are pointers
 FP_SCALARS = {"scale"}
 
@@ -58,7 +58,7 @@ def signature(kernel, constexprs, dtype_name):
         elif name in FP_SCALARS:
             sig[name] = "fp32"
         elif name.isupper() and name not in INT_ARGS:
-            sig[name] = "*i32" if name in ("SYNC", "SLOTS") else "*fp32" if name in FP32_PTRS else f"*{dtype_name}"
+            sig[name] = "*i32" if name == "SYNC" else "*fp32" if name in FP32_PTRS else f"*{dtype_name}"
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"

@@ -411,13 +411,13 @@ def test_triton_saved_state(window):
 # UQ-KV cache: prefill + decode
 
 
-def _decode_all(xs, prompt, window, max_len=None, scale=None):
+def _decode_all(xs, prompt, window, max_len=None, scale=None, impl="auto"):
     """Prefill `prompt` positions, then decode the rest one at a time; checks the cache at every step."""
     out, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, scale=scale, max_len=max_len)
     outs = [out]
     u_dtype = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
     for t in range(prompt, xs[0].shape[-2]):
-        o, nxt = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        o, nxt = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs], impl=impl)
         assert nxt is cache                                                # updated in place
         outs.append(o)
         assert isinstance(cache, CastleCache) and cache.length == t + 1 <= cache.capacity
@@ -499,6 +499,41 @@ def test_prefill_several_blocks(window):
     got, cache = _decode_all(xs, 133, window, scale=0.3)
     assert rel(got, castle_attn(*xs, window=window, scale=0.3, impl="torch")) < 1e-13
     assert rel(cache.u, lookahead_keys(*xs[3:], 140, window, scale=0.3)) < 1e-13
+
+
+@pytest.mark.parametrize("window,prompt,max_len", [(None, 0, None), (None, 21, 24), (0, 3, None), (3, 5, 6),
+                                                    (20, 9, None)])
+def test_decode_triton_matches_parallel(window, prompt, max_len):
+    """The fused decode kernel (16-row tiles and several splits under the interpreter): every output
+    equals the parallel form, and U, the new position's rows and Q^U (written by the kernel, or by the
+    host once the buffer must slide or grow) equal eq (3) and the inputs at every step."""
+    L = 45
+    xs = inputs(2, 3, L, 8, torch.float32)
+    got, cache = _decode_all(xs, prompt, window, max_len, impl="triton")
+    ref = castle_attn(*[x.double() for x in xs], window=window, impl="torch")
+    assert rel(got[..., prompt:, :], ref[..., prompt:, :]) < 1e-6
+    assert rel(cache.u, lookahead_keys(*[x.double() for x in xs[3:]], L, window)) < 1e-6
+    assert torch.equal(cache.kc, xs[1]) and torch.equal(cache.vc, xs[2])
+
+
+def test_decode_triton_bf16_and_errors():
+    """bf16 through the kernel: outputs in bf16 within rounding of fp64; K^C, V^C stored exactly. fp64
+    (the kernel computes in fp32) and a non-contiguous cache are refused with the fix in the message."""
+    xs = inputs(1, 2, 40, 8, torch.bfloat16)
+    got, cache = _decode_all(xs, 4, 7, impl="triton")
+    assert got.dtype == torch.bfloat16 and torch.equal(cache.kc, xs[1])
+    assert rel(got, castle_attn(*[x.double() for x in xs], window=7, impl="torch")) < 1e-2
+    xs64 = inputs(1, 2, 3, 8)
+    _, cache = castle_prefill(*[x[..., :2, :] for x in xs64])
+    with pytest.raises(ValueError, match="fp64.*impl='torch'"):
+        castle_decode(cache, *[x[..., 2:, :] for x in xs64], impl="triton")
+    xs32 = inputs(1, 2, 3, 8, torch.float32)
+    _, cache = castle_prefill(*[x[..., :2, :] for x in xs32], max_len=3)    # no growth: the buffer stays
+    cache.kc_buf = cache.kc_buf.mT.contiguous().mT                       # same values, column-major
+    with pytest.raises(ValueError, match="contiguous.*impl='torch'"):
+        castle_decode(cache, *[x[..., 2:, :] for x in xs32], impl="triton")
+    with pytest.raises(ValueError, match="impl='cuda' is unknown"):
+        castle_decode(cache, *[x[..., 2:, :] for x in xs32], impl="cuda")
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
@@ -590,6 +625,22 @@ def test_gpu_forward_deterministic_and_finite():
     assert torch.isfinite(first).all()
     for _ in range(10):
         assert torch.equal(castle_attn(*xs), first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 700])
+def test_gpu_decode_kernel_matches_torch_ops(window):
+    """The fused decode step (64-row tiles, many splits) against the PyTorch-op step on the same caches
+    (bf16, 5000 cached positions, 9 heads): outputs and U agree to the torch path's bf16 bias rounding."""
+    xs = inputs(2, 9, 5010, 64, torch.bfloat16, device="cuda")
+    caches = [castle_prefill(*[x[..., :5000, :] for x in xs], window=window)[1] for _ in range(2)]
+    for t in range(5000, 5010):
+        one = [x[..., t:t + 1, :] for x in xs]
+        o_kernel, _ = castle_decode(caches[0], *one, impl="triton")
+        o_torch, _ = castle_decode(caches[1], *one, impl="torch")
+        assert rel(o_kernel, o_torch) < 1e-2
+    assert rel(caches[0].u, caches[1].u) < 1e-3
+    assert torch.equal(caches[0].kc, caches[1].kc) and torch.equal(caches[0].qu, caches[1].qu)
 
 
 @pytest.mark.gpu
