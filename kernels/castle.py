@@ -1134,11 +1134,17 @@ if triton is not None:
 _DECODE_PROGRAMS_PER_SM = 4
 
 
-def _decode_tiles(positions, heads, device):
+def _decode_tiles(positions, owners, heads, device):
     """(rows per tile, positions per split, splits) of a decode step: enough programs to fill the GPU,
-    each a whole number of 64-row tiles; under the interpreter 16-row tiles and 4 "SMs", so that tiny
-    tests cross tiles and splits."""
-    rows, sms = (16, 4) if _interpreting() else (64, torch.cuda.get_device_properties(device).multi_processor_count)
+    each a whole number of row tiles. Tiles of 32 rows where most positions take the U update (CASTLE),
+    128 where few do (SWL); on an H200 at 32K positions (B1 H16 D64, GPU time) that took CASTLE from 206
+    to 173 us and SWL (W = 512) from 129 to 108 against 64-row tiles (scripts/NOTES_castle.md). Under
+    the interpreter 16-row tiles and 4 "SMs", so that tiny tests cross tiles and splits."""
+    if _interpreting():
+        rows, sms = 16, 4
+    else:
+        rows = 32 if 2 * owners > positions else 128
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(triton.cdiv(positions, rows), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
     per_split = triton.cdiv(triton.cdiv(positions, splits), rows) * rows
     return rows, per_split, triton.cdiv(positions, per_split)
@@ -1159,7 +1165,7 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     B, H, _, D = qc.shape
     t, n = cache.length, cache.owners(cache.length)
     slot = cache.qu_slot()
-    rows, per_split, splits = _decode_tiles(t + 1, B * H, qc.device)
+    rows, per_split, splits = _decode_tiles(t + 1, n, B * H, qc.device)
     part = torch.empty(B * H, splits, _block_d(D) + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
         cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, qc, kc, vc, qu, ku, vu, part,
