@@ -1045,9 +1045,9 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
 if triton is not None:
     @triton.jit(do_not_specialize=["t", "n_owners", "qu_shift", "qu_row", "per_split"])
     def _castle_decode_kernel(
-        U, QUB, KCB, VCB, QC, KC, VC, QU, KU, VU, PART,
-        stride_b, stride_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split, scale: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
+        U, QUB, KCB, VCB, PART, QC, sqc_b, sqc_h, KC, skc_b, skc_h, VC, svc_b, svc_h, QU, squ_b, squ_h,
+        KU, sku_b, sku_h, VU, svu_b, svu_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split,
+        scale: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
     ):
         """Program (head bh, split): cached positions [split * per_split, ...) of the new position t, BT at
         a time. Owners j (t - n_owners <= j < t) take the token into their lookahead key, u_j += sigma(s
@@ -1056,17 +1056,17 @@ if triton is not None:
         to PART for _castle_decode_combine_kernel (split-K over positions, as flash-decoding does). The
         split holding t writes the position's rows: u_t = 0, k^C_t, v^C_t, and q^U_t at qu_row (if >= 0).
         U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH, qu_rows, D), position j at row
-        j - qu_shift; the new position's six vectors share (batch, head) strides."""
+        j - qu_shift; the new position's six vectors come with their own (batch, head) strides (views of
+        the model's projections, some rotated, need no copy)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
         dmask = offs_d < HEAD_DIM
-        x_ptr = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_d
-        qc = tl.load(QC + x_ptr, mask=dmask, other=0.0).to(tl.float32) * scale
-        kc_t = tl.load(KC + x_ptr, mask=dmask, other=0.0).to(tl.float32)
-        vc_t = tl.load(VC + x_ptr, mask=dmask, other=0.0).to(tl.float32)
-        ku_t = tl.load(KU + x_ptr, mask=dmask, other=0.0).to(tl.float32) * scale
-        vu_t = tl.load(VU + x_ptr, mask=dmask, other=0.0).to(tl.float32)
+        qc = _head_vector(QC, sqc_b, sqc_h, bh, H, offs_d, dmask).to(tl.float32) * scale
+        kc_t = _head_vector(KC, skc_b, skc_h, bh, H, offs_d, dmask).to(tl.float32)
+        vc_t = _head_vector(VC, svc_b, svc_h, bh, H, offs_d, dmask).to(tl.float32)
+        ku_t = _head_vector(KU, sku_b, sku_h, bh, H, offs_d, dmask).to(tl.float32) * scale
+        vu_t = _head_vector(VU, svu_b, svu_h, bh, H, offs_d, dmask).to(tl.float32)
         c_base = bh.to(tl.int64) * cap * HEAD_DIM
         q_base = bh.to(tl.int64) * qu_rows * HEAD_DIM
 
@@ -1107,12 +1107,18 @@ if triton is not None:
             tl.store(KCB + row, kc_t.to(KCB.dtype.element_ty), mask=dmask)
             tl.store(VCB + row, vc_t.to(VCB.dtype.element_ty), mask=dmask)
             if qu_row >= 0:
-                qu_t = tl.load(QU + x_ptr, mask=dmask)
+                qu_t = _head_vector(QU, squ_b, squ_h, bh, H, offs_d, dmask)
                 tl.store(QUB + q_base + qu_row * HEAD_DIM + offs_d, qu_t, mask=dmask)
         part = PART + (bh * tl.num_programs(1) + split).to(tl.int64) * (BLOCK_D + 2)
         tl.store(part + offs_d, acc)
         tl.store(part + BLOCK_D + tl.arange(0, 1), m)
         tl.store(part + BLOCK_D + 1 + tl.arange(0, 1), l)
+
+    @triton.jit
+    def _head_vector(X, stride_b, stride_h, bh, H, offs_d, dmask):
+        """The (D,) vector of head bh of a (B, H, 1, D) tensor with unit stride in D."""
+        return tl.load(X + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_d,
+                       mask=dmask, other=0.0)
 
     @triton.jit
     def _castle_decode_combine_kernel(PART, OUT, splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -1161,15 +1167,15 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     if not all(b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
         raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
                          "castle_cache_from make them); use impl='torch' for others")
-    qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
+    xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
     B, H, _, D = qc.shape
     t, n = cache.length, cache.owners(cache.length)
     slot = cache.qu_slot()
     rows, per_split, splits = _decode_tiles(t + 1, n, B * H, qc.device)
     part = torch.empty(B * H, splits, _block_d(D) + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
-        cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, qc, kc, vc, qu, ku, vu, part,
-        qc.stride(0), qc.stride(1), H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
+        cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
+        H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
         -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=_block_d(D), BT=rows,
     )
     cache.push_qu(qu, written=slot is not None)

@@ -517,9 +517,11 @@ def test_decode_triton_matches_parallel(window, prompt, max_len):
 
 
 def test_decode_triton_bf16_and_errors():
-    """bf16 through the kernel: outputs in bf16 within rounding of fp64; K^C, V^C stored exactly. fp64
-    (the kernel computes in fp32) and a non-contiguous cache are refused with the fix in the message."""
-    xs = inputs(1, 2, 40, 8, torch.bfloat16)
+    """bf16 through the kernel, with the inputs in two memory layouts as the model passes them ((B, H, L, D),
+    and (B, L, H, D) as RoPE leaves q and k): outputs in bf16 within rounding of fp64; K^C, V^C stored
+    exactly. fp64 (the kernel computes in fp32) and a non-contiguous cache are refused with the fix."""
+    xs = inputs(2, 3, 40, 8, torch.bfloat16)
+    xs[0], xs[1], xs[3] = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in (xs[0], xs[1], xs[3]))
     got, cache = _decode_all(xs, 4, 7, impl="triton")
     assert got.dtype == torch.bfloat16 and torch.equal(cache.kc, xs[1])
     assert rel(got, castle_attn(*[x.double() for x in xs], window=7, impl="torch")) < 1e-2
