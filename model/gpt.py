@@ -382,7 +382,11 @@ class SoftmaxAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if fresh:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        return decode_sdpa(q, k, v, attn_mask=cached_causal_mask(T, k.size(2), q.device), dropout_p=dropout)
+        # One new query sees every cached key: no mask, so SDPA can take FlashAttention's split-KV decode. With
+        # the (all-true) mask it took a kernel parallel over queries only: a 4-layer model (d 2048, 16 heads)
+        # decoded at 22.2 ms/token over 128K cached tokens instead of 1.54 (H200, CUDA graph; 32K: 5.98, 0.80).
+        mask = cached_causal_mask(T, k.size(2), q.device) if T > 1 else None
+        return decode_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout)
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
