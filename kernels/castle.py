@@ -1140,17 +1140,18 @@ if triton is not None:
 _DECODE_PROGRAMS_PER_SM = 4
 
 
-def _decode_tiles(positions, owners, heads, device):
+def _decode_tiles(positions, heads, block_d, device):
     """(rows per tile, positions per split, splits) of a decode step: enough programs to fill the GPU,
-    each a whole number of row tiles. Tiles of 32 rows where most positions take the U update (CASTLE),
-    128 where few do (SWL); on an H200 at 32K positions (B1 H16 D64, GPU time) that took CASTLE from 206
-    to 173 us and SWL (W = 512) from 129 to 108 against 64-row tiles (scripts/NOTES_castle.md). Under
-    the interpreter 16-row tiles and 4 "SMs", so that tiny tests cross tiles and splits."""
+    each a whole number of row tiles of 4096 elements, 2 warps each. In a sweep over 16-128 rows and 2-8
+    warps on an H200 (B1 H16, 32K and 128K positions, CASTLE and SWL W = 512, GPU time) this shape was the
+    fastest at 4 of the 8 points and within 6% (D = 64) or 16% (D = 128) at the others, where 32-row
+    tiles for CASTLE and 128-row ones for SWL at 4 warps took up to twice as long at D = 128
+    (scripts/NOTES_castle.md, session 22). Under the interpreter 16-row tiles and 4 "SMs", so that tiny
+    tests cross tiles and splits."""
     if _interpreting():
         rows, sms = 16, 4
     else:
-        rows = 32 if 2 * owners > positions else 128
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        rows, sms = 4096 // block_d, torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(triton.cdiv(positions, rows), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
     per_split = triton.cdiv(triton.cdiv(positions, splits), rows) * rows
     return rows, per_split, triton.cdiv(positions, per_split)
@@ -1171,12 +1172,13 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     B, H, _, D = qc.shape
     t, n = cache.length, cache.owners(cache.length)
     slot = cache.qu_slot()
-    rows, per_split, splits = _decode_tiles(t + 1, n, B * H, qc.device)
+    rows, per_split, splits = _decode_tiles(t + 1, B * H, _block_d(D), qc.device)
     part = torch.empty(B * H, splits, _block_d(D) + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
         cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
         H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
         -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=_block_d(D), BT=rows,
+        num_warps=2,
     )
     cache.push_qu(qu, written=slot is not None)
     cache.length = t + 1

@@ -221,9 +221,21 @@ def per_token_ms(step, xs, device):
 IMPL_LABELS = {"triton": "fused kernel", "torch": "PyTorch ops + SDPA"}
 
 
+def graph_ms(step, x, device):
+    """Median ms of one more step captured in a CUDA graph and replayed (each replay re-does that position):
+    the GPU time of a step without the host's launch overhead, which the eager timing includes. None on CPU."""
+    if device.type != "cuda":
+        return None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(*x)
+    return triton.testing.do_bench(graph.replay)
+
+
 def decode_bench(args):
     """Per-token latency of castle_decode (CASTLE and SWL) against a standard KV-cache decode step at
-    each context length T: the cache holds T positions, then steps time appending one more each."""
+    each context length T: the cache holds T positions, then steps time appending one more each (eager),
+    then one more step is captured in a CUDA graph and replayed (GPU time alone)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dname = args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     dtype = DTYPES[dname]
@@ -238,28 +250,37 @@ def decode_bench(args):
           f"median of {n - n // 10 - 1} steps per row")
     torch.manual_seed(0)
     rows = []
-    for T in contexts:
-        xs = [[torch.randn(B, H, 1, D, dtype=dtype, device=device) for _ in range(6)] for _ in range(n)]
-        k_buf, v_buf = (torch.randn(B, H, T + n, D, dtype=dtype, device=device) for _ in range(2))
-        kv_ms = per_token_ms(kv_cache_step(k_buf, v_buf, [T], scale), xs, device)
-        kv_mib = 2 * k_buf.numel() * k_buf.element_size() / 2**20                  # T + steps positions
-        rows.append((T, "KV cache + SDPA (standard)", "", f"{kv_ms:.4f}", "1.00", f"{kv_mib:.1f}"))
+
+    def row(T, label, window, ms, graph, kv, mib):
+        """kv: the KV-cache step's (eager, graph) ms, the yardstick of the x KV columns."""
+        graphs = ("-", "-") if graph is None else (f"{graph:.4f}", f"{graph / kv[1]:.2f}")
+        rows.append((T, label, "" if window is None else window, f"{ms:.4f}", f"{ms / kv[0]:.2f}", *graphs,
+                     f"{mib:.1f}"))
         print(rows[-1], flush=True)
+
+    for T in contexts:
+        xs = [[torch.randn(B, H, 1, D, dtype=dtype, device=device) for _ in range(6)] for _ in range(n + 1)]
+        k_buf, v_buf = (torch.randn(B, H, T + n + 1, D, dtype=dtype, device=device) for _ in range(2))
+        kv_step = kv_cache_step(k_buf, v_buf, [T], scale)
+        kv = per_token_ms(kv_step, xs[:n], device), graph_ms(kv_step, xs[n], device)
+        kv_mib = 2 * k_buf.numel() * k_buf.element_size() / 2**20                  # T + steps positions
+        row(T, "KV cache + SDPA (standard)", None, *kv, kv, kv_mib)
         del k_buf, v_buf
         for window in windows:
             for impl in impls:
-                cache = castle_cache(B, H, T, D, window, dtype, device, n)
-                ms = per_token_ms(lambda *x, c=cache, i=impl: castle_decode(c, *x, impl=i)[0], xs, device)
-                assert cache.length == T + n and cache.capacity == T + n          # no step reallocated
+                cache = castle_cache(B, H, T, D, window, dtype, device, n + 1)
+                step = lambda *x, c=cache, i=impl: castle_decode(c, *x, impl=i)[0]  # noqa: E731
+                ms, graph = per_token_ms(step, xs[:n], device), graph_ms(step, xs[n], device)
+                captured = device.type == "cuda"                                    # one more step
+                assert cache.length == T + n + captured and cache.capacity == T + n + 1  # none reallocated
                 mib = sum(v.numel() * v.element_size() for v in (cache.u, cache.qu, cache.kc, cache.vc)) / 2**20
                 label = ("CASTLE" if window is None else "CASTLE-SWL") + f" decode ({IMPL_LABELS[impl]})"
-                rows.append((T, label, "" if window is None else window, f"{ms:.4f}", f"{ms / kv_ms:.2f}",
-                             f"{mib:.1f}"))
-                print(rows[-1], flush=True)
+                row(T, label, window, ms, graph, kv, mib)
                 del cache
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    table(["context T", "decode step", "W", "ms / token (median)", "x KV", "cache MiB / layer"], rows)
+    table(["context T", "decode step", "W", "ms / token eager", "x KV", "ms / token CUDA graph", "x KV",
+           "cache MiB / layer"], rows)
 
 
 def main():
