@@ -936,11 +936,15 @@ class CastleCache:
             rows = _doubled(t)
             self.u_buf, self.kc_buf, self.vc_buf = (_grown(b, t, rows) for b in (self.u_buf, self.kc_buf, self.vc_buf))
 
+    def _qu_keep(self):
+        """How many older Q^U rows are still read after position `length` is added; -1 when not even the
+        new one is (SWL with W = 0 keeps no Q^U at all)."""
+        return self.owners(self.length + 1) - 1
+
     def qu_slot(self):
         """The Q^U row that position `length` goes to if it fits without moving rows, else None (also when
-        no Q^U row is kept: SWL with W = 0)."""
-        keep = self.owners(self.length + 1) - 1                # older Q^U rows still read after this step
-        if keep < 0 or self.qu_end == self.qu_buf.shape[-2]:
+        no Q^U row is kept)."""
+        if self._qu_keep() < 0 or self.qu_end == self.qu_buf.shape[-2]:
             return None
         return self.qu_end
 
@@ -948,8 +952,8 @@ class CastleCache:
         """Record position `length`'s q^U (B, H, 1, D); `written`: already stored at qu_slot() (by the
         decode kernel). A full buffer first moves the rows still needed to the front if they fill at most
         half of it, else it doubles."""
-        keep = self.owners(self.length + 1) - 1
-        if keep < 0:                                           # SWL with W = 0 keeps no Q^U at all
+        keep = self._qu_keep()
+        if keep < 0:
             return
         end = self.qu_end
         if not written:
@@ -1020,9 +1024,15 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     operands; "torch" in PyTorch ops, the causal part through SDPA with the per-key bias -SiLU(s q^C u_j^T)
     (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul);
     "auto" takes "triton" on CUDA unless autograd would need the graph (the kernels keep none)."""
+    _check(qc, kc, vc, qu, ku, vu, cache.window)
     if qc.shape[-2] != 1:
         raise ValueError(f"castle_decode takes one position at a time, got {qc.shape[-2]}; "
                          "feed a longer prompt to castle_prefill")
+    held = cache.kc_buf
+    if (qc.shape[:2], qc.shape[-1], qc.device) != (held.shape[:2], held.shape[-1], held.device):
+        raise ValueError(f"the new position is (B, H, 1, D) = {tuple(qc.shape)} on {qc.device}, but the cache "
+                         f"holds (B, H, D) = {(*held.shape[:2], held.shape[-1])} on {held.device}; decode with "
+                         "the cache castle_prefill made for this layer and batch")
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl={impl!r} is unknown; choose auto, torch or triton")
     if impl == "auto":
@@ -1170,20 +1180,21 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
                          "castle_cache_from make them); use impl='torch' for others")
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
     B, H, _, D = qc.shape
+    block_d = _block_d(D)
     t, n = cache.length, cache.owners(cache.length)
     slot = cache.qu_slot()
-    rows, per_split, splits = _decode_tiles(t + 1, B * H, _block_d(D), qc.device)
-    part = torch.empty(B * H, splits, _block_d(D) + 2, dtype=torch.float32, device=qc.device)
+    rows, per_split, splits = _decode_tiles(t + 1, B * H, block_d, qc.device)
+    part = torch.empty(B * H, splits, block_d + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
         cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
         H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
-        -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=_block_d(D), BT=rows,
+        -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
         num_warps=2,
     )
     cache.push_qu(qu, written=slot is not None)
     cache.length = t + 1
     out = torch.empty(B, H, 1, D, dtype=qc.dtype, device=qc.device)
-    _castle_decode_combine_kernel[(B * H,)](part, out, splits, HEAD_DIM=D, BLOCK_D=_block_d(D),
+    _castle_decode_combine_kernel[(B * H,)](part, out, splits, HEAD_DIM=D, BLOCK_D=block_d,
                                             BLOCK_S=triton.next_power_of_2(splits))
     return out
 

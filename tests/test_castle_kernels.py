@@ -536,6 +536,9 @@ def test_decode_triton_bf16_and_errors():
         castle_decode(cache, *[x[..., 2:, :] for x in xs32], impl="triton")
     with pytest.raises(ValueError, match="impl='cuda' is unknown"):
         castle_decode(cache, *[x[..., 2:, :] for x in xs32], impl="cuda")
+    for impl in ("torch", "triton"):     # another layer's or batch's cache: refused before any memory is read
+        with pytest.raises(ValueError, match=r"\(1, 2, 1, 4\).*holds \(B, H, D\) = \(1, 2, 8\)"):
+            castle_decode(cache, *[x[..., 2:, :4] for x in xs32], impl=impl)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)])
