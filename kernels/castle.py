@@ -275,6 +275,7 @@ class TritonConfig:
     warps_bwd: int
     stages_bwd: int
     bwd_variant: str = BWD_VARIANT
+    row_guard: bool = False      # a register-allocation knob of the backward's row loop (_bwd_column)
 
 
 def _default_config(block_d, dtype, variant=BWD_VARIANT):
@@ -288,13 +289,14 @@ def _default_config(block_d, dtype, variant=BWD_VARIANT):
 def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     """Tiles per head dim on a GPU. Forward: the fastest of scripts/bench_castle.py --sweep on an H100
     (bf16, L = 2048). Backward, D <= 64: the sweep's winners (H100, B8 H9 L2048: stored and split 64/64,
-    fwd+bwd 3.20 / 3.57 ms in session 16; H200, B8 H16: fused 64/32). D = 128: the sweep's winner on an H100 for every
-    variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5)."""
+    fwd+bwd 3.20 / 3.57 ms in session 16; H200, B8 H16: fused 64/32; stored 64/64 again on an H200 with
+    the row loop of session 23, 2.60 ms). D = 128: the sweep's winner on an H100 for every variant, 64/64
+    with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5), with the row guard on an H200 11.1."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
         return TritonConfig(64, 64, 4, *((64, 32) if variant == "fused" else (64, 64)), 4, 1, variant)
-    return TritonConfig(64, 32, 4, 64, 64, 8, 1, variant)
+    return TritonConfig(64, 32, 4, 64, 64, 8, 1, variant, row_guard=True)
 
 
 if triton is not None:
@@ -457,7 +459,7 @@ if triton is not None:
         stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
-        DS_MODE: tl.constexpr,
+        DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr,
     ):
         """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
@@ -508,87 +510,92 @@ if triton is not None:
         dvc = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
         dqu = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
 
-        # A while loop: the interpreter cannot take range() bounds that depend on the program.
-        while (a >= own_row) & (a < NR):
-            rows_a = a * BM + offs_m
-            mask_a = (rows_a[:, None] < L) & dmask
-            ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
-            g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
-            e_ptr = e_off + rows_a[:, None] * BM + offs_m[None, :]
-            qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
-            ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
-            vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
-            in_window = a <= last_row
-            folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
-            after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
+        # Loop invariants stay inside the loop (disable_licm): hoisted, they are live across every step, and
+        # at 255 registers ptxas spills them and reloads them in the loop (stored, D = 64, 64/64: 428/436 ->
+        # 48/56 bytes per thread, fwd+bwd 8% faster on an H200). ROW_GUARD wraps the body in a test that is
+        # always true: it only changes how ptxas allocates registers, for the better at D = 128 (64/64/8:
+        # 740/548 -> 360/476 bytes, 14% faster) and for the worse at D = 64 (1% slower); scripts/NOTES_castle.md.
+        for _ in tl.range(0, NR - own_row, disable_licm=True):
+            if ((a >= own_row) & (a < NR)) | (not ROW_GUARD):
+                rows_a = a * BM + offs_m
+                mask_a = (rows_a[:, None] < L) & dmask
+                ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
+                g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+                e_ptr = e_off + rows_a[:, None] * BM + offs_m[None, :]
+                qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
+                ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+                vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+                in_window = a <= last_row
+                folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
+                after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
 
-            sig = tl.zeros([BN, BM], dtype=DT)
-            r = tl.zeros([BM, BM], dtype=DT)
-            if in_window:
-                sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
-                r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
-            if DS_MODE == 2:
-                ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
-            else:
-                do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
-                lse_a = tl.load(LSE + lse_off + rows_a)
-                delta_a = tl.load(DELTA + lse_off + rows_a)
-                # Recompute the scores of the tile (eqs 22/24, 19) from U_c as of the start of row block a.
-                s = tl.zeros([BM, BN], dtype=tl.float32)
+                sig = tl.zeros([BN, BM], dtype=DT)
+                r = tl.zeros([BM, BM], dtype=DT)
                 if in_window:
-                    if SIGMA_GRADS and folded:
-                        u -= tl.dot(sig, vu_a, input_precision=PREC)
-                    s = tl.dot(r, tl.trans(sig), input_precision=PREC)
-                u_t = u.to(DT)
-                if after:
-                    s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
-                if not SIGMA_GRADS and folded:
-                    u += tl.dot(sig, vu_a, input_precision=PREC)                        # eq (23)
-                # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
-                # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
-                sg = _sigmoid(s, DT)
-                sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
-                dsilu = sg * (1.0 + s * (1.0 - sg))
-                sc = _causal_log2(sc, a, c, BM, BN)
-                p = tl.exp2(sc - lse_a[:, None])                                        # eq (25)
-                if CAUSAL_GRADS:
-                    dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)       # eq (27)
-                dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                 # eq (26)
-                da = p * (dp - delta_a[:, None])                                        # eq (28)
-                ds = (-da * dsilu).to(DT)                                               # eq (29)
-                if DS_MODE == 1:
-                    tl.store(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], ds)
-                if CAUSAL_GRADS:
-                    da = da.to(DT)
-                    dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)             # eq (30), dQc
-                    dqc_a = tl.dot(da, kc_c, input_precision=PREC)
+                    sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
+                    r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
+                if DS_MODE == 2:
+                    ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
+                else:
+                    do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
+                    lse_a = tl.load(LSE + lse_off + rows_a)
+                    delta_a = tl.load(DELTA + lse_off + rows_a)
+                    # Recompute the scores of the tile (eqs 22/24, 19) from U_c as of the start of row block a.
+                    s = tl.zeros([BM, BN], dtype=tl.float32)
+                    if in_window:
+                        if SIGMA_GRADS and folded:
+                            u -= tl.dot(sig, vu_a, input_precision=PREC)
+                        s = tl.dot(r, tl.trans(sig), input_precision=PREC)
+                    u_t = u.to(DT)
                     if after:
-                        dqc_a += tl.dot(ds, u_t, input_precision=PREC)
-            if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
-                if DS_MODE == 2 or CAUSAL_GRADS:
-                    # E (eq 31) only meets operands of row block a: summed over the key blocks here, its
-                    # products with Vu_a and Qc_a are taken once per row block (_finish_rows).
-                    e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0)
-                    tl.atomic_add(E + e_ptr, e, sem="relaxed")
-                if SIGMA_GRADS:
-                    # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
-                    # (eq 32), so dU gets this tile's own contribution only at the end.
-                    if folded:
-                        dvu_a = tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-                        tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
-                    # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
-                    dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
-                    if folded:
-                        dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
-                    sig32 = sig.to(tl.float32)
-                    dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
-                    dqu += tl.dot(dz, ku_a, input_precision=PREC)
-                    qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale
-                    tl.atomic_add(DKU + g_ptr, qu_term, mask=mask_a, sem="relaxed")
-            if CAUSAL_GRADS:
-                tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
-            if SIGMA_GRADS and after:
-                du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
+                        s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
+                    if not SIGMA_GRADS and folded:
+                        u += tl.dot(sig, vu_a, input_precision=PREC)                        # eq (23)
+                    # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
+                    # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
+                    sg = _sigmoid(s, DT)
+                    sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
+                    dsilu = sg * (1.0 + s * (1.0 - sg))
+                    sc = _causal_log2(sc, a, c, BM, BN)
+                    p = tl.exp2(sc - lse_a[:, None])                                        # eq (25)
+                    if CAUSAL_GRADS:
+                        dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)       # eq (27)
+                    dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                 # eq (26)
+                    da = p * (dp - delta_a[:, None])                                        # eq (28)
+                    ds = (-da * dsilu).to(DT)                                               # eq (29)
+                    if DS_MODE == 1:
+                        tl.store(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], ds)
+                    if CAUSAL_GRADS:
+                        da = da.to(DT)
+                        dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)             # eq (30), dQc
+                        dqc_a = tl.dot(da, kc_c, input_precision=PREC)
+                        if after:
+                            dqc_a += tl.dot(ds, u_t, input_precision=PREC)
+                if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
+                    if DS_MODE == 2 or CAUSAL_GRADS:
+                        # E (eq 31) only meets operands of row block a: summed over the key blocks here, its
+                        # products with Vu_a and Qc_a are taken once per row block (_finish_rows).
+                        e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0)
+                        tl.atomic_add(E + e_ptr, e, sem="relaxed")
+                    if SIGMA_GRADS:
+                        # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
+                        # (eq 32), so dU gets this tile's own contribution only at the end.
+                        if folded:
+                            dvu_a = tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
+                            tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+                        # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
+                        dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
+                        if folded:
+                            dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
+                        sig32 = sig.to(tl.float32)
+                        dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
+                        dqu += tl.dot(dz, ku_a, input_precision=PREC)
+                        qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale
+                        tl.atomic_add(DKU + g_ptr, qu_term, mask=mask_a, sem="relaxed")
+                if CAUSAL_GRADS:
+                    tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
+                if SIGMA_GRADS and after:
+                    du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
             a += step
 
         gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
@@ -605,7 +612,7 @@ if triton is not None:
         stride_b, stride_h, stride_l, H, L, NR, NC, NBH, NSLOTS, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
-        STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr,
+        STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr, ROW_GUARD: tl.constexpr,
     ):
         """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
         work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
@@ -632,17 +639,17 @@ if triton is not None:
                 ds_slot = slot.to(tl.int64) * (NR * BM * BN)
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD)
                 tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
                 tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
             else:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD)
             if FINISH:
                 tl.debug_barrier()   # every thread's adds issued before the release publishes them
                 tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
@@ -749,7 +756,8 @@ def _bwd_kernels(variant, D, block_d, cfg, dt, prec):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=prec,
-                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP)
+                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
+                  ROW_GUARD=cfg.row_guard)
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":

@@ -109,7 +109,7 @@ FWD_TILES = {64: [(64, 32, 4), (64, 16, 4), (64, 64, 4), (128, 64, 8), (64, 32, 
              128: [(64, 32, 8), (64, 16, 4), (32, 16, 4), (64, 32, 4), (128, 64, 8)]}   # (m, n, warps)
 BWD_TILES = {64: [(64, 32, 4, 1), (32, 32, 4, 1), (32, 16, 4, 1), (64, 64, 4, 1), (64, 64, 8, 1),
                   (64, 16, 4, 1)],
-             128: [(64, 32, 4, 1), (16, 16, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1),
+             128: [(64, 32, 4, 1), (64, 64, 4, 1), (16, 16, 4, 1), (32, 16, 4, 1), (32, 32, 4, 1), (64, 16, 4, 1),
                    (64, 32, 8, 1), (64, 64, 8, 1)]}                                    # (m, n, warps, stages)
 
 
@@ -118,11 +118,11 @@ def sweep_configs(D, dtype, variants, fwd_tiles):
     with fwd_tiles also the forward tiles with the default backward."""
     default = castle._default_config(castle._block_d(D), dtype)
     d = 64 if D <= 64 else 128
-    cfgs = [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st, v)
+    cfgs = [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st, v, default.row_guard)
             for v in variants for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]
     if fwd_tiles:
         cfgs += [TritonConfig(m, n, w, min(m, default.m_bwd), min(n, default.n_bwd), default.warps_bwd, 1,
-                              default.bwd_variant) for m, n, w in FWD_TILES[d]]
+                              default.bwd_variant, default.row_guard) for m, n, w in FWD_TILES[d]]
     return list(dict.fromkeys(cfgs))
 
 

@@ -144,7 +144,8 @@ def main():
         if "bwd" in which:
             for v in variants:
                 for m, n, w, st in bwd_tiles or tiles(castle._default_config(default_d, torch_dt, v)):
-                    cfg = castle.TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st)
+                    cfg = castle.TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st,
+                                              row_guard=default.row_guard)
                     for job in kernels_for(cfg, D, args.dtype, [v])["bwd"]:
                         jobs.append((D, f"{m}/{n}/{w}/{st}", *job, args.dtype))
 

@@ -245,6 +245,7 @@ TRITON_CASES = [
     (37, 32, 1, TILE16, torch.float32, None),
     (37, 32, 5, TILE16, torch.float32, None),
     (37, 32, 5, TILE16, torch.float32, 0.3),
+    (37, 32, 5, dataclasses.replace(TILE16, row_guard=True), torch.float32, None),
     (37, 32, 16, TILE16, torch.float32, None),
     (37, 32, 17, TILE16, torch.float32, None),
     (37, 32, 100, TILE16, torch.float32, None),
@@ -258,6 +259,7 @@ TRITON_CASES = [
     (37, 24, None, TILE16, torch.float32, None),
     (37, 32, None, TILE16, torch.bfloat16, None),
     (37, 64, 5, TILE32_16, torch.bfloat16, None),
+    (37, 64, 5, dataclasses.replace(TILE32_16, row_guard=True), torch.bfloat16, None),
     (17, 96, 40, TILE16, torch.bfloat16, None),
 ]
 
