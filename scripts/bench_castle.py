@@ -20,6 +20,7 @@ the PyTorch ops) against a KV-cache step (runs on CPU too, PyTorch ops only; see
 """
 import argparse
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import statistics
 import sys
@@ -118,11 +119,11 @@ def sweep_configs(D, dtype, variants, fwd_tiles):
     with fwd_tiles also the forward tiles with the default backward."""
     default = castle._default_config(castle._block_d(D), dtype)
     d = 64 if D <= 64 else 128
-    cfgs = [TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st, v, default.row_guard)
+    cfgs = [dataclasses.replace(default, m_bwd=m, n_bwd=n, warps_bwd=w, stages_bwd=st, bwd_variant=v)
             for v in variants for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]
     if fwd_tiles:
-        cfgs += [TritonConfig(m, n, w, min(m, default.m_bwd), min(n, default.n_bwd), default.warps_bwd, 1,
-                              default.bwd_variant, default.row_guard) for m, n, w in FWD_TILES[d]]
+        cfgs += [dataclasses.replace(default, m_fwd=m, n_fwd=n, warps_fwd=w, m_bwd=min(m, default.m_bwd),
+                                     n_bwd=min(n, default.n_bwd)) for m, n, w in FWD_TILES[d]]
     return list(dict.fromkeys(cfgs))
 
 

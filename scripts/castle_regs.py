@@ -19,6 +19,7 @@ Tiles are m/n/warps[/stages]: m = query rows, n = key rows. For the backward the
 """
 import argparse
 import concurrent.futures
+import dataclasses
 import multiprocessing
 import os
 import re
@@ -138,14 +139,13 @@ def main():
             fwd_tiles, bwd_tiles = [(default.m_fwd, default.n_fwd, default.warps_fwd, 1)], None
         if "fwd" in which:
             for m, n, w, _ in fwd_tiles:
-                cfg = castle.TritonConfig(m, n, w, default.m_bwd, default.n_bwd, default.warps_bwd, 1)
+                cfg = dataclasses.replace(default, m_fwd=m, n_fwd=n, warps_fwd=w)
                 for job in kernels_for(cfg, D, args.dtype, [])["fwd"]:
                     jobs.append((D, f"{m}/{n}/{w}/1", *job, args.dtype))
         if "bwd" in which:
             for v in variants:
                 for m, n, w, st in bwd_tiles or tiles(castle._default_config(default_d, torch_dt, v)):
-                    cfg = castle.TritonConfig(default.m_fwd, default.n_fwd, default.warps_fwd, m, n, w, st,
-                                              row_guard=default.row_guard)
+                    cfg = dataclasses.replace(default, m_bwd=m, n_bwd=n, warps_bwd=w, stages_bwd=st)
                     for job in kernels_for(cfg, D, args.dtype, [v])["bwd"]:
                         jobs.append((D, f"{m}/{n}/{w}/{st}", *job, args.dtype))
 
