@@ -69,8 +69,10 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
 """
 from __future__ import annotations
 
+import ast
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -726,15 +728,21 @@ def _prepare(xs):
     return xs
 
 
+def _forward_buffers(qc, cfg):
+    """Empty out (B, H, L, D), lse (BH, NR*m) fp32 and u (BH, NR*m, block_d) fp32 of the forward."""
+    B, H, L, D = qc.shape
+    rows = triton.cdiv(L, cfg.m_fwd) * cfg.m_fwd
+    return (qc.new_empty(B, H, L, D), qc.new_empty(B * H, rows, dtype=torch.float32),
+            qc.new_empty(B * H, rows, _block_d(D), dtype=torch.float32))
+
+
 def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}."""
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
     block_d = _block_d(D)
     nr = triton.cdiv(L, cfg.m_fwd)
-    out = torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device)
-    lse = torch.empty(B * H, nr * cfg.m_fwd, dtype=torch.float32, device=qc.device)
-    u = torch.empty(B * H, nr * cfg.m_fwd, block_d, dtype=torch.float32, device=qc.device)
+    out, lse, u = _forward_buffers(qc, cfg)
     sync = torch.zeros(B * H * nr + 1, dtype=torch.int32, device=qc.device)
     dt = _dot_dtype(qc.dtype)
     _castle_fwd_kernel[(B * H * nr,)](
@@ -824,21 +832,64 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
     return dqc, dkc, dvc, dqu, dku, dvu
 
 
-class _CastleTriton(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, qc, kc, vc, qu, ku, vu, window, scale, cfg):
-        L = qc.shape[-2]
-        save_t = (triton.cdiv(L, cfg.m_bwd) - 1) * cfg.m_bwd  # start of the backward's last row block
-        out, lse, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
-        # "stored" rebuilds U_c in its first pass, so U (L x d fp32 per head) is not kept for it
-        ctx.save_for_backward(qc, kc, vc, qu, ku, vu, out, lse, u if cfg.bwd_variant != "stored" else None)
-        ctx.window, ctx.scale, ctx.cfg = window, scale, cfg
-        return out
+# The Triton path as two custom ops: torch.compile keeps each one call in its graph (opaque, no graph break)
+# instead of tracing into the launch code. The tile config travels as the literal of its field tuple (ops take
+# plain types only; dynamo can trace building that string, not repr or json of a dataclass).
 
-    @staticmethod
-    def backward(ctx, do):
-        grads = _triton_backward(do, *ctx.saved_tensors, ctx.window, ctx.scale, ctx.cfg)
-        return (*grads, None, None, None)
+
+def _config_key(cfg):
+    return str(tuple(getattr(cfg, f.name) for f in fields(cfg)))
+
+
+def _config_from_key(key):
+    return TritonConfig(*ast.literal_eval(key))
+
+
+@torch.library.custom_op("castle::triton_fwd", mutates_args=())
+def _triton_fwd_op(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, qu: torch.Tensor, ku: torch.Tensor,
+                   vu: torch.Tensor, window: Optional[int], scale: float,
+                   cfg_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> out, lse, and the U the backward starts from (empty for "stored", which rebuilds it)."""
+    cfg = _config_from_key(cfg_key)
+    L = qc.shape[-2]
+    save_t = (triton.cdiv(L, cfg.m_bwd) - 1) * cfg.m_bwd  # start of the backward's last row block
+    out, lse, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
+    return out, lse, u if cfg.bwd_variant != "stored" else u.new_empty(0)
+
+
+@_triton_fwd_op.register_fake
+def _(qc, kc, vc, qu, ku, vu, window, scale, cfg_key):
+    cfg = _config_from_key(cfg_key)
+    out, lse, u = _forward_buffers(qc, cfg)
+    return out, lse, u if cfg.bwd_variant != "stored" else u.new_empty(0)
+
+
+@torch.library.custom_op("castle::triton_bwd", mutates_args=())
+def _triton_bwd_op(do: torch.Tensor, qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, qu: torch.Tensor,
+                   ku: torch.Tensor, vu: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, u: torch.Tensor,
+                   window: Optional[int], scale: float, cfg_key: str) -> list[torch.Tensor]:
+    """-> dqc, dkc, dvc, dqu, dku, dvu, contiguous, in the inputs' dtype."""
+    return list(_triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u if u.numel() else None, window, scale,
+                                 _config_from_key(cfg_key)))
+
+
+@_triton_bwd_op.register_fake
+def _(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg_key):
+    return [t.new_empty(t.shape) for t in (qc, kc, vc, qu, ku, vu)]
+
+
+def _save_for_backward(ctx, inputs, output):
+    *xs, window, scale, cfg_key = inputs
+    ctx.save_for_backward(*xs, *output)
+    ctx.window, ctx.scale, ctx.cfg_key = window, scale, cfg_key
+
+
+def _triton_fwd_op_backward(ctx, do, _dlse, _du):
+    grads = _triton_bwd_op(do, *ctx.saved_tensors, ctx.window, ctx.scale, ctx.cfg_key)
+    return (*grads, None, None, None)
+
+
+_triton_fwd_op.register_autograd(_triton_fwd_op_backward, setup_context=_save_for_backward)
 
 
 def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
@@ -850,7 +901,7 @@ def _attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
                          "use impl='blockwise' or a smaller head_dim")
     cfg = cfg or _default_config(_block_d(qc.shape[-1]), qc.dtype)
     assert cfg.m_fwd % cfg.n_fwd == 0 and cfg.m_bwd % cfg.n_bwd == 0 and cfg.m_fwd % cfg.m_bwd == 0, cfg
-    return _CastleTriton.apply(qc, kc, vc, qu, ku, vu, window, scale, cfg)
+    return _triton_fwd_op(qc, kc, vc, qu, ku, vu, window, scale, _config_key(cfg))[0]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -344,13 +344,34 @@ def test_triton_backward_twice(variant):
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 def test_triton_saves_u_only_when_read(variant):
     """Activation memory: "stored" rebuilds U_c in its first pass, so autograd keeps only the inputs, the
-    output and lse; the variants that start from the saved U keep its fp32 (BH, rows, block_d) buffer."""
+    output and lse (and an empty U); the variants that start from the saved U keep its fp32 (BH, rows,
+    block_d) buffer."""
     xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         castle._attn_triton(*xs, None, 32 ** -0.5, dataclasses.replace(TILE16, bwd_variant=variant))
+    saved = [t for t in saved if t.numel()]
     u_like = [t for t in saved if t.dim() == 3 and t.shape[-1] == 32]
     assert len(saved) == 8 + (variant != "stored") and len(u_like) == (variant != "stored")
+
+
+@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+def test_triton_under_torch_compile(variant):
+    """To torch.compile the Triton path is two custom ops (forward, backward): a function around it
+    compiles as one graph (fullgraph=True raises on a graph break), with the ops' shapes from their fake
+    implementations, and gives eager's output and gradients."""
+    xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
+    go = torch.randn(1, 2, 37, 32)
+    cfg = dataclasses.replace(TILE16, bwd_variant=variant)
+
+    def fn(*a):
+        return castle._attn_triton(*[2 * x for x in a], 5, 32 ** -0.5, cfg).sin()
+
+    torch._dynamo.reset()
+    out, g = _fwd_bwd(torch.compile(fn, fullgraph=True, backend="aot_eager"), xs, go)
+    ref, gref = _fwd_bwd(fn, xs, go)
+    assert torch.equal(out, ref)
+    assert max(rel(a, b) for a, b in zip(g, gref)) < 1e-6
 
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
