@@ -353,8 +353,9 @@ if triton is not None:
         first = r * (BM // BN)
         return tl.where(c >= first, c - first + 1, first + BM // BN - c)
 
-    # `scale` is constexpr: torch.compile (Inductor) would pass a Python float as an fp64 scalar,
-    # which promotes the tiles to fp64 and fails to compile; as a constant it stays fp32 everywhere.
+    # `scale` is constexpr: Inductor, launching a user kernel, passes a Python float as an fp64 scalar, which
+    # promotes the tiles to fp64 and fails to compile; as a constant it stays fp32 everywhere. (The custom ops
+    # below now keep torch.compile from launching these kernels itself; the constant costs nothing.)
     @triton.jit
     def _castle_fwd_kernel(
         QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
@@ -854,14 +855,19 @@ def _triton_fwd_op(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, qu: tor
     L = qc.shape[-2]
     save_t = (triton.cdiv(L, cfg.m_bwd) - 1) * cfg.m_bwd  # start of the backward's last row block
     out, lse, u = _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
-    return out, lse, u if cfg.bwd_variant != "stored" else u.new_empty(0)
+    return out, lse, _u_kept(u, cfg)
 
 
 @_triton_fwd_op.register_fake
 def _(qc, kc, vc, qu, ku, vu, window, scale, cfg_key):
     cfg = _config_from_key(cfg_key)
     out, lse, u = _forward_buffers(qc, cfg)
-    return out, lse, u if cfg.bwd_variant != "stored" else u.new_empty(0)
+    return out, lse, _u_kept(u, cfg)
+
+
+def _u_kept(u, cfg):
+    """The forward's U as the backward needs it: "stored" rebuilds U, so an empty stand-in (ops return tensors)."""
+    return u if cfg.bwd_variant != "stored" else u.new_empty(0)
 
 
 @torch.library.custom_op("castle::triton_bwd", mutates_args=())

@@ -408,8 +408,8 @@ def test_castle_parameter_layout():
 
 def test_triton_training_kernels_take_float_scales_as_constexpr():
     """torch.compile (Inductor) launches user Triton kernels with Python floats typed fp64, which
-    promoted the logits to fp64 and broke the compiled CASTLE and FoX models on the GPU; the kernels
-    that run inside a compiled model must take their float scales as constexpr."""
+    promoted the logits to fp64 and broke the compiled CASTLE (before its custom ops) and FoX models on the
+    GPU; the kernels that run inside a compiled model must take their float scales as constexpr."""
     import inspect
 
     import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail here, not skip)
