@@ -268,7 +268,9 @@ if BWD_VARIANT not in BWD_VARIANTS:
 @dataclass(frozen=True)
 class TritonConfig:
     """Tiles: m = query rows per tile, n = key columns per tile (n divides m; powers of two >= 16);
-    the backward's m must divide the forward's m (the forward saves U where the backward starts)."""
+    the backward's m must divide the forward's m (the forward saves U where the backward starts).
+    stages_bwd: software-pipelining stages of the "stored" backward's second (sigma) pass, used when there
+    is no window (1 = not pipelined; see _bwd_column)."""
     m_fwd: int
     n_fwd: int
     warps_fwd: int
@@ -297,7 +299,7 @@ def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
-        return TritonConfig(64, 64, 4, *((64, 32) if variant == "fused" else (64, 64)), 4, 1, variant)
+        return TritonConfig(64, 64, 4, *((64, 32) if variant == "fused" else (64, 64)), 4, 2, variant)
     return TritonConfig(64, 32, 4, 64, 64, 8, 1, variant, row_guard=True)
 
 
@@ -462,7 +464,7 @@ if triton is not None:
         stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
-        DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr,
+        DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr, SIGMA_STAGES: tl.constexpr,
     ):
         """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
@@ -475,7 +477,8 @@ if triton is not None:
         added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu,
         dVu. DS_MODE: 0 recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this
         program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
-        there instead of recomputing the scores (then U is not needed at all) and forms E."""
+        there instead of recomputing the scores (then U is not needed at all) and forms E; its row loop then
+        runs software-pipelined with SIGMA_STAGES stages (Triton prefetches the next step's tiles)."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
@@ -518,7 +521,9 @@ if triton is not None:
         # 48/56 bytes per thread, fwd+bwd 8% faster on an H200). ROW_GUARD wraps the body in a test that is
         # always true: it only changes how ptxas allocates registers, for the better at D = 128 (64/64/8:
         # 740/548 -> 360/476 bytes, 14% faster) and for the worse at D = 64 (1% slower); scripts/NOTES_castle.md.
-        for _ in tl.range(0, NR - own_row, disable_licm=True):
+        # The sigma pass pipelined (SIGMA_STAGES = 2) took 3% off fwd+bwd on an H200 (D = 64). The launch passes
+        # 1 with a window: Triton 3.6 then addressed shared memory out of range on the steps outside it.
+        for _ in tl.range(0, NR - own_row, num_stages=SIGMA_STAGES if DS_MODE == 2 else 1, disable_licm=True):
             if ((a >= own_row) & (a < NR)) | (not ROW_GUARD):
                 rows_a = a * BM + offs_m
                 mask_a = (rows_a[:, None] < L) & dmask
@@ -527,7 +532,11 @@ if triton is not None:
                 e_ptr = e_off + rows_a[:, None] * BM + offs_m[None, :]
                 qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
                 ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
-                vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+                # Vu_a as a (D, m) tile, which its three products take as it is: loaded as (m, D), the pipelined
+                # sigma pass read it through one transposed view, and Triton 3.6 gave it a single buffer, which
+                # the next step's prefetch overwrote before its last read (wrong gradients).
+                vu_t = tl.load(VU + off + rows_a[None, :] * stride_l + offs_d[:, None], mask=tl.trans(mask_a),
+                               other=0.0).to(DT)
                 in_window = a <= last_row
                 folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
                 after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
@@ -536,7 +545,7 @@ if triton is not None:
                 r = tl.zeros([BM, BM], dtype=DT)
                 if in_window:
                     sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
-                    r = tl.where(tril, tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC) * scale, 0.0).to(DT)
+                    r = tl.where(tril, tl.dot(qc_a, vu_t, input_precision=PREC) * scale, 0.0).to(DT)
                 if DS_MODE == 2:
                     ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
                 else:
@@ -547,13 +556,13 @@ if triton is not None:
                     s = tl.zeros([BM, BN], dtype=tl.float32)
                     if in_window:
                         if SIGMA_GRADS and folded:
-                            u -= tl.dot(sig, vu_a, input_precision=PREC)
+                            u -= tl.dot(sig, tl.trans(vu_t), input_precision=PREC)
                         s = tl.dot(r, tl.trans(sig), input_precision=PREC)
                     u_t = u.to(DT)
                     if after:
                         s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
                     if not SIGMA_GRADS and folded:
-                        u += tl.dot(sig, vu_a, input_precision=PREC)                        # eq (23)
+                        u += tl.dot(sig, tl.trans(vu_t), input_precision=PREC)               # eq (23)
                     # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
                     # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
                     sg = _sigmoid(s, DT)
@@ -589,7 +598,7 @@ if triton is not None:
                         # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
                         dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
                         if folded:
-                            dsig += tl.dot(du.to(DT), tl.trans(vu_a), input_precision=PREC)
+                            dsig += tl.dot(du.to(DT), vu_t, input_precision=PREC)
                         sig32 = sig.to(tl.float32)
                         dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
                         dqu += tl.dot(dz, ku_a, input_precision=PREC)
@@ -616,6 +625,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr, ROW_GUARD: tl.constexpr,
+        SIGMA_STAGES: tl.constexpr,
     ):
         """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
         work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
@@ -642,17 +652,18 @@ if triton is not None:
                 ds_slot = slot.to(tl.int64) * (NR * BM * BN)
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD, 1)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD,
+                            SIGMA_STAGES)
                 tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
                 tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
             else:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD, 1)
             if FINISH:
                 tl.debug_barrier()   # every thread's adds issued before the release publishes them
                 tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
@@ -761,12 +772,12 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
 _BWD_HEAD_GROUP = 8
 
 
-def _bwd_kernels(variant, D, block_d, cfg, dt, prec):
+def _bwd_kernels(variant, D, block_d, cfg, dt, prec, windowed=False):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=prec,
                   CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
-                  ROW_GUARD=cfg.row_guard)
+                  ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd)
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":
@@ -821,13 +832,13 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
         strips = _ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
     prec = "ieee" if dt == tl.float32 else "tf32"
-    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, prec):
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, prec, window is not None):
         sync = torch.zeros(strips + 1 + B * H, dtype=torch.int32, device=qc.device)  # strips, ticket, heads
         kernel[(B * H * (nc + nr * consts["FINISH"]),)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read
             dqc, dkc, dvc, dqu, dku, dvu, e, ds, sync, *outs,
             qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, nc, B * H, strips, _window_or_len(window, L), scale,
-            lse.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=cfg.stages_bwd,
+            lse.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=1,
         )
     dqc, dku, dvu = outs
     return dqc, dkc, dvc, dqu, dku, dvu
