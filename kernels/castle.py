@@ -521,8 +521,9 @@ if triton is not None:
         # 48/56 bytes per thread, fwd+bwd 8% faster on an H200). ROW_GUARD wraps the body in a test that is
         # always true: it only changes how ptxas allocates registers, for the better at D = 128 (64/64/8:
         # 740/548 -> 360/476 bytes, 14% faster) and for the worse at D = 64 (1% slower); scripts/NOTES_castle.md.
-        # The sigma pass pipelined (SIGMA_STAGES = 2) took 3% off fwd+bwd on an H200 (D = 64). The launch passes
-        # 1 with a window: Triton 3.6 then addressed shared memory out of range on the steps outside it.
+        # The sigma pass (DS_MODE 2) pipelined, SIGMA_STAGES = 2, took 3% off fwd+bwd on an H200 (D = 64). The
+        # launch passes 1 with a window: Triton 3.6 then addressed shared memory out of range on the steps
+        # outside it. (SIGMA_STAGES also picks how Vu_a is loaded, in both passes; below.)
         for _ in tl.range(0, NR - own_row, num_stages=SIGMA_STAGES if DS_MODE == 2 else 1, disable_licm=True):
             if ((a >= own_row) & (a < NR)) | (not ROW_GUARD):
                 rows_a = a * BM + offs_m
@@ -532,11 +533,15 @@ if triton is not None:
                 e_ptr = e_off + rows_a[:, None] * BM + offs_m[None, :]
                 qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
                 ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
-                # Vu_a as a (D, m) tile, which its three products take as it is: loaded as (m, D), the pipelined
-                # sigma pass read it through one transposed view, and Triton 3.6 gave it a single buffer, which
-                # the next step's prefetch overwrote before its last read (wrong gradients).
-                vu_t = tl.load(VU + off + rows_a[None, :] * stride_l + offs_d[:, None], mask=tl.trans(mask_a),
-                               other=0.0).to(DT)
+                # Vu_a^T. For the pipelined sigma pass loaded as a (D, m) tile, which its products take as it is:
+                # loaded as (m, D), they read it through one transposed view, and Triton 3.6 gave it a single
+                # buffer, which the next step's prefetch overwrote before its last read (wrong gradients).
+                # Unpipelined, the (m, D) load is 1% faster (D = 128).
+                if SIGMA_STAGES > 1:
+                    vu_t = tl.load(VU + off + rows_a[None, :] * stride_l + offs_d[:, None], mask=tl.trans(mask_a),
+                                   other=0.0).to(DT)
+                else:
+                    vu_t = tl.trans(tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT))
                 in_window = a <= last_row
                 folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
                 after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
@@ -652,7 +657,8 @@ if triton is not None:
                 ds_slot = slot.to(tl.int64) * (NR * BM * BN)
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD, 1)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD,
+                            SIGMA_STAGES)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
