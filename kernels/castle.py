@@ -56,7 +56,8 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
                 138 MB at L = 2048; fewer where they would take over a quarter of the free memory).
     On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd took 2.91 ms with "stored" (3.05 before Delta became one
     launch, when "split" took 3.41), both 64/64 tiles; on an H200 2.83 ms since the finish items joined
-    the backward's launch, 2.59 since its row loop keeps its invariants inside (scripts/NOTES_castle.md).
+    the backward's launch, 2.59 since its row loop keeps its invariants inside, 2.51 since the second
+    pass is software-pipelined when there is no window (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
@@ -294,8 +295,9 @@ def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     """Tiles per head dim on a GPU. Forward: the fastest of scripts/bench_castle.py --sweep on an H100
     (bf16, L = 2048). Backward, D <= 64: the sweep's winners (H100, B8 H9 L2048: stored and split 64/64,
     fwd+bwd 3.20 / 3.57 ms in session 16; H200, B8 H16: fused 64/32; stored 64/64 again on an H200 with
-    the row loop of session 23, 2.60 ms). D = 128: the sweep's winner on an H100 for every variant, 64/64
-    with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5), with the row guard on an H200 11.1."""
+    the row loop of session 23, 2.60 ms; 2.51 with the sigma pass in 2 stages). D = 128: the sweep's winner
+    on an H100 for every variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5), with
+    the row guard on an H200 11.1 (2 stages: no faster, so 1)."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
