@@ -357,6 +357,33 @@ if triton is not None:
         first = r * (BM // BN)
         return tl.where(c >= first, c - first + 1, first + BM // BN - c)
 
+    # The forward's step loop is software-pipelined (Triton prefetches the next key block's tiles), and Triton
+    # 3.6's pipeliner skips any loop holding a nested loop or a barrier op. So on a GPU (ASM) the hand-off's
+    # spin-wait and the barrier before its release are inline PTX; the interpreter, which cannot run PTX (and
+    # runs programs one after another), takes the plain forms.
+    @triton.jit
+    def _wait_at_least(flag_ptr, need, ASM: tl.constexpr):
+        """Spin until the int32 at flag_ptr is >= need (acquire, GPU scope); returns the value seen."""
+        if ASM:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; WAIT: ld.acquire.gpu.global.b32 $0, [$1]; setp.lt.s32 p, $0, $2; @p bra WAIT; }",
+                "=r,l,r", [flag_ptr, need], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            while seen < need:
+                seen = tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            return seen
+
+    @triton.jit
+    def _block_barrier(dummy, ASM: tl.constexpr):
+        """All threads of the program meet here (bar.sync: their earlier writes are then ordered before a
+        later release by any of them)."""
+        if ASM:
+            tl.inline_asm_elementwise("bar.sync 0; mov.b32 $0, $1;", "=r,r", [dummy], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+        else:
+            tl.debug_barrier()
+
     # `scale` is constexpr: Inductor, launching a user kernel, passes a Python float as an fp64 scalar, which
     # promotes the tiles to fp64 and fails to compile; as a constant it stays fp32 everywhere. (The custom ops
     # below now keep torch.compile from launching these kernels itself; the constant costs nothing.)
@@ -365,7 +392,7 @@ if triton is not None:
         QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
         stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
     ):
         # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
         # tickets: ticket -> (head, row block), the row blocks of a head in increasing order.
@@ -402,8 +429,7 @@ if triton is not None:
         denom = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
         first = a * (BM // BN)                       # first key block inside the row block
-        step = 0
-        while step < first + BM // BN:
+        for step in tl.range(0, first + BM // BN, num_stages=2):
             # Own key blocks left to right (the first one leaves every row's running max finite, spec
             # §3.4 point 5), then the earlier ones right to left.
             c = tl.where(step < BM // BN, first + step, first + BM // BN - 1 - step)
@@ -421,9 +447,11 @@ if triton is not None:
             if not own:
                 # U_c as of the start of row block a: written by row a-1, or frozen earlier by the window.
                 writer = tl.minimum(a - 1, last_row)
-                while tl.atomic_add(flags + writer, 0, sem="acquire", scope="gpu") < _fold_count(c, writer, BM, BN):
-                    pass
-                u_c = tl.load(u_ptr, cache_modifier=".cg").to(DT)
+                need = _fold_count(c, writer, BM, BN)
+                seen = _wait_at_least(flags + writer, need, ASM)
+                # Volatile (past L1, and never prefetched by the pipeliner), and masked by the wait's result
+                # (always true) so that no compiler moves it before the wait.
+                u_c = tl.load(u_ptr, mask=seen >= need, other=0.0, volatile=True).to(DT)
                 s = tl.dot(qc_a, tl.trans(u_c), input_precision=PREC)             # eq (24), first term
             if a <= last_row:
                 sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
@@ -434,7 +462,7 @@ if triton is not None:
                         tl.store(u_ptr, upd)
                     else:  # only this program touches U_c now: a relaxed add is exact, no fp32 copy held
                         tl.atomic_add(u_ptr, upd, sem="relaxed")
-                    tl.debug_barrier()
+                    _block_barrier(step, ASM)
                     tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
             sc = tl.dot(qc_a, tl.trans(kc_c), -s * _sigmoid(s, DT), input_precision=PREC)  # eq (19)
             sc = _causal_log2(sc, a, c, BM, BN)
@@ -444,7 +472,6 @@ if triton is not None:
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(DT), vc_c, input_precision=PREC)
             m = m_new
-            step += 1
 
         o_ptr = OUT + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, (acc / denom[:, None]).to(OUT.dtype.element_ty), mask=mask_a)
@@ -769,7 +796,7 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
         qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t, scale,
         HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt,
-        PREC="ieee" if dt == tl.float32 else "tf32", num_warps=cfg.warps_fwd, num_stages=1,
+        PREC="ieee" if dt == tl.float32 else "tf32", ASM=not _interpreting(), num_warps=cfg.warps_fwd, num_stages=1,
     )
     return out, lse, u
 

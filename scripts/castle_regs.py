@@ -73,7 +73,7 @@ def kernels_for(cfg, D, dtype, variants):
     block_d = castle._block_d(D)
     prec = "ieee" if tl_dt == tl.float32 else "tf32"
     fwd = ("fwd", castle._castle_fwd_kernel,
-           dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=tl_dt, PREC=prec),
+           dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=tl_dt, PREC=prec, ASM=True),
            cfg.warps_fwd, 1)
     out = {"fwd": [fwd], "bwd": []}
     for v in variants:
