@@ -32,7 +32,9 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     tile is computed once and used twice (spec §3.7), and R_a once per row block. Program a waits on
     program a-1 through a per-(head, row block) progress counter (release/acquire atomics); programs draw
     tickets from an atomic counter, so a program only ever waits on one that has already started: no
-    deadlock whatever order the GPU starts them in. Rows run as a wave one tile apart, in one launch.
+    deadlock whatever order the GPU starts them in. Rows run as a wave one tile apart, in one launch. The
+    step loop is software-pipelined: the next key block's tiles load while this one computes (9% off the
+    forward on an H200; the wait and a barrier are inline PTX for that, see _wait_at_least).
   * Backward, one program per (key block c, batch*head), with no waiting: it starts from the saved U_c (its
     value where the backward's last row block starts), walks the row blocks from the last one down, and
     recovers the earlier values by subtraction (spec eq 33), carrying U_c, dU_c and the key-block gradients
@@ -57,7 +59,7 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     On an H100 (bf16, B8 H9 L2048 D64) fwd+bwd took 2.91 ms with "stored" (3.05 before Delta became one
     launch, when "split" took 3.41), both 64/64 tiles; on an H200 2.83 ms since the finish items joined
     the backward's launch, 2.59 since its row loop keeps its invariants inside, 2.51 since the second
-    pass is software-pipelined when there is no window (scripts/NOTES_castle.md).
+    pass is software-pipelined when there is no window, 2.44 since the forward is (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
