@@ -379,7 +379,7 @@ if triton is not None:
     @triton.jit
     def _block_barrier(dummy, ASM: tl.constexpr):
         """All threads of the program meet here (bar.sync: their earlier writes are then ordered before a
-        later release by any of them)."""
+        later release by any of them). dummy: any int scalar (inline PTX needs an operand)."""
         if ASM:
             tl.inline_asm_elementwise("bar.sync 0; mov.b32 $0, $1;", "=r,r", [dummy], dtype=tl.int32,
                                       is_pure=False, pack=1)

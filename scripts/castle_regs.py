@@ -78,7 +78,8 @@ def kernels_for(cfg, D, dtype, variants):
     out = {"fwd": [fwd], "bwd": []}
     for v in variants:
         for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt, prec):
-            out["bwd"].append((f"bwd {v}: {label}", fn, consts, cfg.warps_bwd, cfg.stages_bwd))
+            # the launch's num_stages (1): cfg.stages_bwd reaches the kernel as its SIGMA_STAGES constexpr
+            out["bwd"].append((f"bwd {v}: {label}", fn, consts, cfg.warps_bwd, 1))
     return out
 
 
