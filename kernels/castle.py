@@ -273,7 +273,8 @@ class TritonConfig:
     """Tiles: m = query rows per tile, n = key columns per tile (n divides m; powers of two >= 16);
     the backward's m must divide the forward's m (the forward saves U where the backward starts).
     stages_bwd: software-pipelining stages of the "stored" backward's second (sigma) pass, used when there
-    is no window (1 = not pipelined; see _bwd_column)."""
+    is no window (1 = not pipelined; see _bwd_column). stages_fwd: those of the forward's step loop.
+    head_group_fwd: how many heads the forward's launch order interleaves (see _castle_fwd_kernel)."""
     m_fwd: int
     n_fwd: int
     warps_fwd: int
@@ -283,6 +284,8 @@ class TritonConfig:
     stages_bwd: int
     bwd_variant: str = BWD_VARIANT
     row_guard: bool = False      # a register-allocation knob of the backward's row loop (_bwd_column)
+    stages_fwd: int = 2
+    head_group_fwd: int = 8
 
 
 def _default_config(block_d, dtype, variant=BWD_VARIANT):
@@ -299,12 +302,15 @@ def _gpu_config(block_d, dtype, variant=BWD_VARIANT):
     fwd+bwd 3.20 / 3.57 ms in session 16; H200, B8 H16: fused 64/32; stored 64/64 again on an H200 with
     the row loop of session 23, 2.60 ms; 2.51 with the sigma pass in 2 stages). D = 128: the sweep's winner
     on an H100 for every variant, 64/64 with 8 warps (B8 H16 L2048 fwd+bwd: stored 13.0 ms, split 14.5), with
-    the row guard on an H200 11.1 (2 stages: no faster, so 1)."""
+    the row guard on an H200 11.1 (2 stages: no faster, so 1). The forward on an H200: its step loop in 3
+    stages and 8 heads interleaved 3% faster than 2 stages and one head at a time at D <= 64; at D = 128 3
+    stages were 20% slower and 8 heads 1%."""
     if dtype == torch.float32:  # fp32 operands take twice the registers and shared memory
         return TritonConfig(32, 16, 4, 32, 16, 4, 1, variant)
     if block_d <= 64:
-        return TritonConfig(64, 64, 4, *((64, 32) if variant == "fused" else (64, 64)), 4, 2, variant)
-    return TritonConfig(64, 32, 4, 64, 64, 8, 1, variant, row_guard=True)
+        return TritonConfig(64, 64, 4, *((64, 32) if variant == "fused" else (64, 64)), 4, 2, variant,
+                            stages_fwd=3)
+    return TritonConfig(64, 32, 4, 64, 64, 8, 1, variant, row_guard=True, head_group_fwd=1)
 
 
 if triton is not None:
@@ -359,6 +365,16 @@ if triton is not None:
         first = r * (BM // BN)
         return tl.where(c >= first, c - first + 1, first + BM // BN - c)
 
+    @triton.jit
+    def _grouped_ticket(t, NBH, N, HEAD_GROUP: tl.constexpr):
+        """(head, item) of ticket t, for NBH heads of N items each, in groups of HEAD_GROUP heads whose
+        heads take turns: item 0 of each head of the group, then item 1, ... Each head's items in order;
+        a group keeps the data its running programs share in L2 (all heads at once was slower: the
+        backward ~20% at 144 heads, the forward 10-40% on an H200)."""
+        g0 = t // (HEAD_GROUP * N) * HEAD_GROUP                   # first head of the ticket's group
+        group_size = tl.minimum(HEAD_GROUP, NBH - g0)
+        return g0 + (t - g0 * N) % group_size, (t - g0 * N) // group_size
+
     # The forward's step loop is software-pipelined (Triton prefetches the next key block's tiles), and Triton
     # 3.6's pipeliner skips any loop holding a nested loop or a barrier op. So on a GPU (ASM) the hand-off's
     # spin-wait and the barrier before its release are inline PTX; the interpreter, which cannot run PTX (and
@@ -394,13 +410,15 @@ if triton is not None:
         QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
         stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
+        HEAD_GROUP: tl.constexpr,
     ):
         # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
-        # tickets: ticket -> (head, row block), the row blocks of a head in increasing order.
+        # tickets: ticket -> (head, row block), each head's row blocks in increasing order, HEAD_GROUP heads
+        # taking turns, so that their last (longest) rows start together rather than one head's after
+        # another's (1% off the forward at D = 64 with 8 on an H200).
         ticket = tl.atomic_add(SYNC + tl.num_programs(0), 1)
-        bh = ticket // NR
-        a = ticket % NR
+        bh, a = _grouped_ticket(ticket, tl.num_programs(0) // NR, NR, HEAD_GROUP)
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         u_base = U + bh.to(tl.int64) * (NR * BM * BLOCK_D)
         flags = SYNC + bh * NR
@@ -431,7 +449,7 @@ if triton is not None:
         denom = tl.zeros([BM], dtype=tl.float32)
         acc = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
         first = a * (BM // BN)                       # first key block inside the row block
-        for step in tl.range(0, first + BM // BN, num_stages=2):
+        for step in tl.range(0, first + BM // BN, num_stages=STAGES):
             # Own key blocks left to right (the first one leaves every row's running max finite, spec
             # §3.4 point 5), then the earlier ones right to left.
             c = tl.where(step < BM // BN, first + step, first + BM // BN - 1 - step)
@@ -478,16 +496,6 @@ if triton is not None:
         o_ptr = OUT + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, (acc / denom[:, None]).to(OUT.dtype.element_ty), mask=mask_a)
         tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(denom))
-
-    @triton.jit
-    def _bwd_work_item(w, NBH, NC, HEAD_GROUP: tl.constexpr):
-        """(head, key block) of backward work item w. Heads in groups of HEAD_GROUP; a group's items are
-        its heads' columns longest first (c = 0 of every head, then c = 1, ...). Longest-first shortens
-        the tail; groups keep the rows that the running programs share in L2 (ordering all heads
-        column-major was ~20% slower at 144 heads)."""
-        g0 = w // (HEAD_GROUP * NC) * HEAD_GROUP                  # first head of the item's group
-        group_size = tl.minimum(HEAD_GROUP, NBH - g0)
-        return g0 + (w - g0 * NC) % group_size, (w - g0 * NC) // group_size
 
     @triton.jit
     def _bwd_column(
@@ -680,7 +688,8 @@ if triton is not None:
         t = tl.atomic_add(SYNC + NSLOTS, 1)
         done = SYNC + NSLOTS + 1
         if t < NBH * NC:
-            bh, c = _bwd_work_item(t, NBH, NC, HEAD_GROUP)
+            # columns longest first (c = 0 of each head of the group, then c = 1, ...): a shorter tail
+            bh, c = _grouped_ticket(t, NBH, NC, HEAD_GROUP)
             if STORED:
                 slot = t % NSLOTS
                 while tl.atomic_add(SYNC + slot, 0, sem="acquire", scope="gpu") < t // NSLOTS:
@@ -785,6 +794,13 @@ def _forward_buffers(qc, cfg):
             qc.new_empty(B * H, rows, _block_d(D), dtype=torch.float32))
 
 
+def _fwd_constexprs(D, block_d, cfg, dt):
+    """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
+    return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt,
+                PREC="ieee" if dt == tl.float32 else "tf32", ASM=not _interpreting(), STAGES=cfg.stages_fwd,
+                HEAD_GROUP=cfg.head_group_fwd)
+
+
 def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}."""
     qc, kc, vc, qu, ku, vu = _prepare([qc, kc, vc, qu, ku, vu])
@@ -797,8 +813,7 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     _castle_fwd_kernel[(B * H * nr,)](
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
         qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t, scale,
-        HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt,
-        PREC="ieee" if dt == tl.float32 else "tf32", ASM=not _interpreting(), num_warps=cfg.warps_fwd, num_stages=1,
+        **_fwd_constexprs(D, block_d, cfg, dt), num_warps=cfg.warps_fwd, num_stages=1,
     )
     return out, lse, u
 

@@ -15,7 +15,7 @@ too many tiles live.
 Rows are printed as they finish and again as a markdown table.
 
 Tiles are m/n/warps[/stages]: m = query rows, n = key rows. For the backward the tile is the backward's
-(cfg.m_bwd, cfg.n_bwd, cfg.warps_bwd, cfg.stages_bwd); for the forward the forward's.
+(cfg.m_bwd, cfg.n_bwd, cfg.warps_bwd, cfg.stages_bwd); for the forward the forward's (stages_fwd).
 """
 import argparse
 import concurrent.futures
@@ -72,9 +72,8 @@ def kernels_for(cfg, D, dtype, variants):
     torch_dt, _, tl_dt = DTYPES[dtype]
     block_d = castle._block_d(D)
     prec = "ieee" if tl_dt == tl.float32 else "tf32"
-    fwd = ("fwd", castle._castle_fwd_kernel,
-           dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=tl_dt, PREC=prec, ASM=True),
-           cfg.warps_fwd, 1)
+    # the launch's num_stages (1): cfg.stages_fwd reaches the kernel as its STAGES constexpr
+    fwd = ("fwd", castle._castle_fwd_kernel, castle._fwd_constexprs(D, block_d, cfg, tl_dt), cfg.warps_fwd, 1)
     out = {"fwd": [fwd], "bwd": []}
     for v in variants:
         for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt, prec):
@@ -132,17 +131,17 @@ def main():
         tiles = lambda cfg: [(cfg.m_bwd, cfg.n_bwd, cfg.warps_bwd, cfg.stages_bwd)]  # noqa: E731
         if args.all:
             import bench_castle  # noqa: E402 (scripts/ is on sys.path when run as a script)
-            fwd_tiles = [(m, n, w, 1) for m, n, w in bench_castle.FWD_TILES[d]]
+            fwd_tiles = [(m, n, w, default.stages_fwd) for m, n, w in bench_castle.FWD_TILES[d]]
             bwd_tiles = bench_castle.BWD_TILES[d]
         elif args.tiles:
             fwd_tiles = bwd_tiles = [parse_tile(t) for t in args.tiles.split(",")]
         else:  # each kernel's own default tiles
-            fwd_tiles, bwd_tiles = [(default.m_fwd, default.n_fwd, default.warps_fwd, 1)], None
+            fwd_tiles, bwd_tiles = [(default.m_fwd, default.n_fwd, default.warps_fwd, default.stages_fwd)], None
         if "fwd" in which:
-            for m, n, w, _ in fwd_tiles:
-                cfg = dataclasses.replace(default, m_fwd=m, n_fwd=n, warps_fwd=w)
+            for m, n, w, st in fwd_tiles:
+                cfg = dataclasses.replace(default, m_fwd=m, n_fwd=n, warps_fwd=w, stages_fwd=st)
                 for job in kernels_for(cfg, D, args.dtype, [])["fwd"]:
-                    jobs.append((D, f"{m}/{n}/{w}/1", *job, args.dtype))
+                    jobs.append((D, f"{m}/{n}/{w}/{st}", *job, args.dtype))
         if "bwd" in which:
             for v in variants:
                 for m, n, w, st in bwd_tiles or tiles(castle._default_config(default_d, torch_dt, v)):

@@ -286,16 +286,17 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 def test_triton_backward_head_groups(variant):
-    """The backward launches heads in groups of _BWD_HEAD_GROUP: B*H = 10 makes a full group and a
-    partial one, and every head's gradients must still be its own."""
+    """Both launches take heads in groups (cfg.head_group_fwd, _BWD_HEAD_GROUP): B*H = 10 makes a full group
+    and a partial one, and every head's output and gradients must still be its own."""
     B, H, L, D = 2, 5, 33, 32
-    assert B * H > castle._BWD_HEAD_GROUP and B * H % castle._BWD_HEAD_GROUP != 0
+    cfg = dataclasses.replace(TILE16, bwd_variant=variant)
+    for group in (cfg.head_group_fwd, castle._BWD_HEAD_GROUP):
+        assert B * H > group and B * H % group != 0
     xs = inputs(B, H, L, D, torch.float32)
     go = torch.randn(B, H, L, D)
-    cfg = dataclasses.replace(TILE16, bwd_variant=variant)
-    _, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=5, impl="torch"), [x.double() for x in xs], go)
-    _, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 5, D ** -0.5, cfg), xs, go)
-    assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=5, impl="torch"), [x.double() for x in xs], go)
+    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 5, D ** -0.5, cfg), xs, go)
+    assert rel(out, ref) < 4e-6 and max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
 
 
 def test_stored_backward_with_one_strip(monkeypatch):
