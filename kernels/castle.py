@@ -274,7 +274,7 @@ class TritonConfig:
     the backward's m must divide the forward's m (the forward saves U where the backward starts).
     stages_bwd: software-pipelining stages of the "stored" backward's second (sigma) pass, used when there
     is no window (1 = not pipelined; see _bwd_column). stages_fwd: those of the forward's step loop.
-    head_group_fwd: how many heads the forward's launch order interleaves (see _castle_fwd_kernel)."""
+    head_group_fwd: how many heads the forward's launch order interleaves at most (_fwd_head_group)."""
     m_fwd: int
     n_fwd: int
     warps_fwd: int
@@ -366,7 +366,7 @@ if triton is not None:
         return tl.where(c >= first, c - first + 1, first + BM // BN - c)
 
     @triton.jit
-    def _grouped_ticket(t, NBH, N, HEAD_GROUP: tl.constexpr):
+    def _grouped_ticket(t, NBH, N, HEAD_GROUP):
         """(head, item) of ticket t, for NBH heads of N items each, in groups of HEAD_GROUP heads whose
         heads take turns: item 0 of each head of the group, then item 1, ... Each head's items in order;
         a group keeps the data its running programs share in L2 (all heads at once was slower: the
@@ -408,10 +408,9 @@ if triton is not None:
     @triton.jit
     def _castle_fwd_kernel(
         QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
-        stride_b, stride_h, stride_l, H, L, NR, W, save_t, scale: tl.constexpr,
+        stride_b, stride_h, stride_l, H, L, NR, W, save_t, HEAD_GROUP, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
-        HEAD_GROUP: tl.constexpr,
     ):
         # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
         # tickets: ticket -> (head, row block), each head's row blocks in increasing order, HEAD_GROUP heads
@@ -797,8 +796,13 @@ def _forward_buffers(qc, cfg):
 def _fwd_constexprs(D, block_d, cfg, dt):
     """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
     return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt,
-                PREC="ieee" if dt == tl.float32 else "tf32", ASM=not _interpreting(), STAGES=cfg.stages_fwd,
-                HEAD_GROUP=cfg.head_group_fwd)
+                PREC="ieee" if dt == tl.float32 else "tf32", ASM=not _interpreting(), STAGES=cfg.stages_fwd)
+
+
+def _fwd_head_group(cfg, L):
+    """Heads the forward's launch order interleaves: cfg.head_group_fwd, fewer where their key blocks and U
+    would outgrow L2 (at most 32K positions in flight)."""
+    return max(1, min(cfg.head_group_fwd, 32768 // L))
 
 
 def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
@@ -812,8 +816,9 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     dt = _dot_dtype(qc.dtype)
     _castle_fwd_kernel[(B * H * nr,)](
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
-        qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t, scale,
-        **_fwd_constexprs(D, block_d, cfg, dt), num_warps=cfg.warps_fwd, num_stages=1,
+        qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t,
+        _fwd_head_group(cfg, L), scale, **_fwd_constexprs(D, block_d, cfg, dt), num_warps=cfg.warps_fwd,
+        num_stages=1,
     )
     return out, lse, u
 

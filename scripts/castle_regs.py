@@ -42,7 +42,7 @@ from kernels import castle  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 64)
 DTYPES = {"bf16": (torch.bfloat16, "bf16", tl.bfloat16), "fp32": (torch.float32, "fp32", tl.float32)}
 FP32_PTRS = {"LSE", "DELTA", "U", "DQC", "DKU", "DVU", "E"}  # fp32 buffers; SYNC int32, the rest input dtype
-INT_ARGS = {"H", "L", "NR", "NC", "NBH", "NSLOTS", "W"}      # upper-case ints; other upper-case args are pointers
+INT_ARGS = {"H", "L", "NR", "NC", "NBH", "NSLOTS", "W", "HEAD_GROUP"}  # upper-case ints; other upper-case args are pointers
 FP_SCALARS = {"scale"}
 
 
