@@ -794,10 +794,15 @@ def _forward_buffers(qc, cfg):
             qc.new_empty(B * H, rows, _block_d(D), dtype=torch.float32))
 
 
+def _precision(dt):
+    """tl.dot's input_precision: exact fp32 products for fp32 operands (16-bit ones are exact either way)."""
+    return "ieee" if dt == tl.float32 else "tf32"
+
+
 def _fwd_constexprs(D, block_d, cfg, dt):
     """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
-    return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt,
-                PREC="ieee" if dt == tl.float32 else "tf32", ASM=not _interpreting(), STAGES=cfg.stages_fwd)
+    return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
+                ASM=not _interpreting(), STAGES=cfg.stages_fwd)
 
 
 def _fwd_head_group(cfg, L):
@@ -830,10 +835,10 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
 _BWD_HEAD_GROUP = 8
 
 
-def _bwd_kernels(variant, D, block_d, cfg, dt, prec, windowed=False):
+def _bwd_kernels(variant, D, block_d, cfg, dt, windowed=False):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
-    consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=prec,
+    consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
                   CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
                   ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd)
     if variant == "fused":
@@ -889,8 +894,7 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
         ds_dtype = torch.float32 if dt == tl.float32 else qc.dtype
         strips = _ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
-    prec = "ieee" if dt == tl.float32 else "tf32"
-    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, prec, window is not None):
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, window is not None):
         sync = torch.zeros(strips + 1 + B * H, dtype=torch.int32, device=qc.device)  # strips, ticket, heads
         kernel[(B * H * (nc + nr * consts["FINISH"]),)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read

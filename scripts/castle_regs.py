@@ -42,7 +42,8 @@ from kernels import castle  # noqa: E402
 TARGET = GPUTarget("cuda", 90, 64)
 DTYPES = {"bf16": (torch.bfloat16, "bf16", tl.bfloat16), "fp32": (torch.float32, "fp32", tl.float32)}
 FP32_PTRS = {"LSE", "DELTA", "U", "DQC", "DKU", "DVU", "E"}  # fp32 buffers; SYNC int32, the rest input dtype
-INT_ARGS = {"H", "L", "NR", "NC", "NBH", "NSLOTS", "W", "HEAD_GROUP"}  # upper-case ints; other upper-case args are pointers
+# upper-case ints; the other upper-case args are pointers
+INT_ARGS = {"H", "L", "NR", "NC", "NBH", "NSLOTS", "W", "HEAD_GROUP"}
 FP_SCALARS = {"scale"}
 
 
@@ -71,12 +72,11 @@ def kernels_for(cfg, D, dtype, variants):
     """(label, jit function, constexprs, num_warps, num_stages) of the forward and the backward kernel(s)."""
     torch_dt, _, tl_dt = DTYPES[dtype]
     block_d = castle._block_d(D)
-    prec = "ieee" if tl_dt == tl.float32 else "tf32"
     # the launch's num_stages (1): cfg.stages_fwd reaches the kernel as its STAGES constexpr
     fwd = ("fwd", castle._castle_fwd_kernel, castle._fwd_constexprs(D, block_d, cfg, tl_dt), cfg.warps_fwd, 1)
     out = {"fwd": [fwd], "bwd": []}
     for v in variants:
-        for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt, prec):
+        for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt):
             # the launch's num_stages (1): cfg.stages_bwd reaches the kernel as its SIGMA_STAGES constexpr
             out["bwd"].append((f"bwd {v}: {label}", fn, consts, cfg.warps_bwd, 1))
     return out

@@ -286,11 +286,11 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 def test_triton_backward_head_groups(variant):
-    """Both launches take heads in groups (cfg.head_group_fwd, _BWD_HEAD_GROUP): B*H = 10 makes a full group
+    """Both launches take heads in groups (_fwd_head_group, _BWD_HEAD_GROUP): B*H = 10 makes a full group
     and a partial one, and every head's output and gradients must still be its own."""
     B, H, L, D = 2, 5, 33, 32
     cfg = dataclasses.replace(TILE16, bwd_variant=variant)
-    for group in (cfg.head_group_fwd, castle._BWD_HEAD_GROUP):
+    for group in (castle._fwd_head_group(cfg, L), castle._BWD_HEAD_GROUP):
         assert B * H > group and B * H % group != 0
     xs = inputs(B, H, L, D, torch.float32)
     go = torch.randn(B, H, L, D)
