@@ -74,6 +74,7 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
 from __future__ import annotations
 
 import ast
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -327,16 +328,39 @@ if triton is not None:
         if DT == tl.float32:
             return tl.sigmoid(x)
         else:
-            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x * 0.5], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-            return 0.5 + 0.5 * t
+            return _sigmoid_of_half(x * 0.5)
 
     @triton.jit
-    def _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN: tl.constexpr, BM: tl.constexpr,
-                         PREC: tl.constexpr, DT: tl.constexpr):
+    def _sigmoid_of_half(y):
+        """sigmoid(2 y) = 0.5 + 0.5 tanh(y) on one tanh.approx (see _sigmoid)."""
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        return 0.5 + 0.5 * t
+
+    @triton.jit
+    def _half_scaled(x, scale: tl.constexpr, SIGMA_PRE: tl.constexpr, DT: tl.constexpr):
+        """x * s / 2 as a matmul operand where that is exact (SIGMA_PRE: s a power of two, as for D = 16, 64,
+        256): sigma's logit s q^U k^U then leaves its matmul halved, as tanh takes it (_lookahead_sigma),
+        with no multiply per tile (1% off fwd+bwd at D = 64 on an H200, with the other factors s moved out
+        of the backward's steps). Otherwise x as it is, and sigma takes the multiply."""
+        if SIGMA_PRE:
+            return (x.to(tl.float32) * (0.5 * scale)).to(DT)
+        else:
+            return x.to(DT)
+
+    @triton.jit
+    def _lookahead_sigma(qu_c, ku_a, c, a, scale: tl.constexpr, W, BN: tl.constexpr, BM: tl.constexpr,
+                         SIGMA_PRE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
         """sigma_{c,a}: weight of contributor i (row block a) in the lookahead key of owner j (key block
-        c), eq (3) with mask (4) / (9): j < i <= j + W. Tiles the mask keeps whole skip it."""
-        sig = _sigmoid(tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC) * scale, DT)
+        c), eq (3) with mask (4) / (9): j < i <= j + W. Tiles the mask keeps whole skip it. One of the
+        operands comes _half_scaled."""
+        half_logit = tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC)
+        if not SIGMA_PRE:
+            half_logit *= 0.5 * scale
+        if DT == tl.float32:
+            sig = tl.sigmoid(2.0 * half_logit)
+        else:
+            sig = _sigmoid_of_half(half_logit)
         if (a * BM <= c * BN + BN - 1) | (a * BM + BM - 1 > c * BN + W):
             rows_c = c * BN + tl.arange(0, BN)
             rows_a = a * BM + tl.arange(0, BM)
@@ -411,7 +435,7 @@ if triton is not None:
         QC, KC, VC, QU, KU, VU, OUT, LSE, U, SYNC,
         stride_b, stride_h, stride_l, H, L, NR, W, save_t, HEAD_GROUP, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
-        DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr,
+        DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
     ):
         # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
         # tickets: ticket -> (head, row block), each head's row blocks in increasing order, HEAD_GROUP heads
@@ -435,7 +459,7 @@ if triton is not None:
         # (4% off the forward on an H100). Exact when s is a power of two (D = 16, 64, 256); otherwise one
         # more rounding of Qc in 16-bit operands.
         qc_a = (tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(tl.float32) * scale).to(DT)
-        ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        ku_a = _half_scaled(tl.load(KU + ptr_a, mask=mask_a, other=0.0), scale, SIGMA_PRE, DT)
         vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
         # R_a = s * q^C_t . v^U_i for contributors i <= t inside the row block: once per row (spec §3.7).
         r = tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC)
@@ -474,7 +498,7 @@ if triton is not None:
                 u_c = tl.load(u_ptr, mask=seen >= need, other=0.0, volatile=True).to(DT)
                 s = tl.dot(qc_a, tl.trans(u_c), input_precision=PREC)             # eq (24), first term
             if a <= last_row:
-                sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
+                sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, SIGMA_PRE, PREC, DT).to(DT)
                 s += tl.dot(r, tl.trans(sig), input_precision=PREC)               # eqs (22)/(24), local
                 if do_write:
                     upd = tl.dot(sig, vu_fold, input_precision=PREC)              # eq (23)
@@ -503,16 +527,18 @@ if triton is not None:
         stride_b, stride_h, stride_l, H, L, NR, W, scale: tl.constexpr, lse_rows,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
-        DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr, SIGMA_STAGES: tl.constexpr,
+        DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr, SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
     ):
         """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
 
         Carried for key block c: U_c (walking down: as of the start of row block a + 1 on entering a step, read
         from this program's rows of the fp32 (BH, lse_rows, BLOCK_D) buffer; walking up: as of the start of row
-        block a, from zero), dU_c (gradient of the rows after a) and the unscaled dKc, dVc, dQu, all in
-        registers; dKc, dVc, dQu, which only this column writes, go to their (B, H, L, D) outputs scaled and in
-        the output dtype. Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E
+        block a, from zero), dU_c (gradient of the rows after a) and dKc, dVc, dQu, all in registers and all
+        without the factor s, which each takes once: dKc, dVc, dQu, which only this column writes, when they go
+        to their (B, H, L, D) outputs in the output dtype, the row gradients' fp32 sums in _finish_rows (so R_a,
+        dU_c, Qu_c's share of dKu and every atomic add are unscaled; Qu_c comes _half_scaled for sigma).
+        Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E
         added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu,
         dVu. DS_MODE: 0 recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this
         program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
@@ -531,7 +557,7 @@ if triton is not None:
         rows_c = c * BN + offs_n
         mask_c = (rows_c[:, None] < L) & dmask
         ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
-        qu_c = tl.load(QU + ptr_c, mask=mask_c, other=0.0).to(DT)
+        qu_c = _half_scaled(tl.load(QU + ptr_c, mask=mask_c, other=0.0), scale, SIGMA_PRE, DT)
         if DS_MODE != 2:
             kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
             vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
@@ -588,8 +614,8 @@ if triton is not None:
                 sig = tl.zeros([BN, BM], dtype=DT)
                 r = tl.zeros([BM, BM], dtype=DT)
                 if in_window:
-                    sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, PREC, DT).to(DT)
-                    r = tl.where(tril, tl.dot(qc_a, vu_t, input_precision=PREC) * scale, 0.0).to(DT)
+                    sig = _lookahead_sigma(qu_c, ku_a, c, a, scale, W, BN, BM, SIGMA_PRE, PREC, DT).to(DT)
+                    r = tl.where(tril, tl.dot(qc_a, vu_t, input_precision=PREC), 0.0).to(DT)   # R_a / s
                 if DS_MODE == 2:
                     ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
                 else:
@@ -604,14 +630,16 @@ if triton is not None:
                         s = tl.dot(r, tl.trans(sig), input_precision=PREC)
                     u_t = u.to(DT)
                     if after:
-                        s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC) * scale
+                        s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC)
+                    s *= scale
                     if not SIGMA_GRADS and folded:
                         u += tl.dot(sig, tl.trans(vu_t), input_precision=PREC)               # eq (23)
                     # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
                     # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
                     sg = _sigmoid(s, DT)
-                    sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - s * sg
-                    dsilu = sg * (1.0 + s * (1.0 - sg))
+                    silu = s * sg
+                    sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - silu
+                    dsilu = sg + silu * (1.0 - sg)
                     sc = _causal_log2(sc, a, c, BM, BN)
                     p = tl.exp2(sc - lse_a[:, None])                                        # eq (25)
                     if CAUSAL_GRADS:
@@ -643,15 +671,15 @@ if triton is not None:
                         dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
                         if folded:
                             dsig += tl.dot(du.to(DT), vu_t, input_precision=PREC)
-                        sig32 = sig.to(tl.float32)
-                        dz = (dsig * sig32 * (1.0 - sig32)).to(DT)
+                        sig_s = sig.to(tl.float32) * scale       # dsig is unscaled: R_a / s and dU_c / s
+                        dz = (dsig * (sig_s - sig_s * sig.to(tl.float32))).to(DT)
                         dqu += tl.dot(dz, ku_a, input_precision=PREC)
-                        qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC) * scale
+                        qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC)   # half of dKu's term
                         tl.atomic_add(DKU + g_ptr, qu_term, mask=mask_a, sem="relaxed")
                 if CAUSAL_GRADS:
-                    tl.atomic_add(DQC + g_ptr, dqc_a * scale, mask=mask_a, sem="relaxed")
+                    tl.atomic_add(DQC + g_ptr, dqc_a, mask=mask_a, sem="relaxed")
                 if SIGMA_GRADS and after:
-                    du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC) * scale
+                    du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC)
             a += step
 
         gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
@@ -669,7 +697,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr, ROW_GUARD: tl.constexpr,
-        SIGMA_STAGES: tl.constexpr,
+        SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
     ):
         """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
         work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
@@ -698,18 +726,19 @@ if triton is not None:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD,
-                            SIGMA_STAGES)
+                            SIGMA_STAGES, SIGMA_PRE)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD,
-                            SIGMA_STAGES)
+                            SIGMA_STAGES, SIGMA_PRE)
                 tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
                 tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
             else:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
-                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD, 1)
+                            HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD, 1,
+                            SIGMA_PRE)
             if FINISH:
                 tl.debug_barrier()   # every thread's adds issued before the release publishes them
                 tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
@@ -718,7 +747,7 @@ if triton is not None:
             while tl.atomic_add(done + f // NR, 0, sem="acquire", scope="gpu") < NC:
                 pass
             _finish_rows(f // NR, f % NR, QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b,
-                         stride_h, stride_l, H, L, NR, scale, HEAD_DIM, BM, BLOCK_D, DT, PREC)
+                         stride_h, stride_l, H, L, NR, scale, HEAD_DIM, BM, BLOCK_D, DT, PREC, SIGMA_PRE)
 
     @triton.jit
     def _castle_delta_kernel(DO, OUT, DELTA, L, rows_out, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -737,10 +766,12 @@ if triton is not None:
     @triton.jit
     def _finish_rows(bh, a, QC, VU, E, DQC, DKU, DVU, DQC_OUT, DKU_OUT, DVU_OUT, stride_b, stride_h, stride_l,
                      H, L, NR, scale: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+                     BLOCK_D: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+                     SIGMA_PRE: tl.constexpr):
         """Row block a of head bh, once the backward's adds to it are done: E_a, summed over key blocks,
-        gives dQc_a += s E_a Vu_a and dVu_a += s E_a^T Qc_a (eq 31); the three fp32 row gradients are then
-        written in the output dtype. The sums are read through L2 (.cg): other programs wrote them."""
+        gives dQc_a += E_a Vu_a and dVu_a += E_a^T Qc_a (eq 31); the three fp32 row gradients then take
+        their factor s (dKu 2 with SIGMA_PRE: its sum came from _half_scaled Qu) and are written in the output dtype. The
+        sums are read through L2 (.cg): other programs wrote them."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, BLOCK_D)
@@ -753,12 +784,16 @@ if triton is not None:
         qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
         vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
         dqc = tl.load(DQC + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
-        dqc += tl.dot(e, vu_a, input_precision=PREC) * scale
+        dqc = (dqc + tl.dot(e, vu_a, input_precision=PREC)) * scale
         dvu = tl.load(DVU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
-        dvu += tl.dot(tl.trans(e), qc_a, input_precision=PREC) * scale
+        dvu = (dvu + tl.dot(tl.trans(e), qc_a, input_precision=PREC)) * scale
         tl.store(DQC_OUT + g_ptr, dqc.to(DQC_OUT.dtype.element_ty), mask=mask_a)
         tl.store(DVU_OUT + g_ptr, dvu.to(DVU_OUT.dtype.element_ty), mask=mask_a)
         dku = tl.load(DKU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
+        if SIGMA_PRE:
+            dku *= 2.0
+        else:
+            dku *= scale
         tl.store(DKU_OUT + g_ptr, dku.to(DKU_OUT.dtype.element_ty), mask=mask_a)
 
 
@@ -799,10 +834,15 @@ def _precision(dt):
     return "ieee" if dt == tl.float32 else "tf32"
 
 
-def _fwd_constexprs(D, block_d, cfg, dt):
+def _sigma_prescaled(scale):
+    """Whether s / 2 is a power of two, so that sigma's operand may carry it exactly (_half_scaled)."""
+    return math.frexp(0.5 * scale)[0] == 0.5
+
+
+def _fwd_constexprs(D, block_d, cfg, dt, scale):
     """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
     return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
-                ASM=not _interpreting(), STAGES=cfg.stages_fwd)
+                ASM=not _interpreting(), STAGES=cfg.stages_fwd, SIGMA_PRE=_sigma_prescaled(scale))
 
 
 def _fwd_head_group(cfg, L):
@@ -823,7 +863,7 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     _castle_fwd_kernel[(B * H * nr,)](
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
         qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t,
-        _fwd_head_group(cfg, L), scale, **_fwd_constexprs(D, block_d, cfg, dt), num_warps=cfg.warps_fwd,
+        _fwd_head_group(cfg, L), scale, **_fwd_constexprs(D, block_d, cfg, dt, scale), num_warps=cfg.warps_fwd,
         num_stages=1,
     )
     return out, lse, u
@@ -835,12 +875,13 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
 _BWD_HEAD_GROUP = 8
 
 
-def _bwd_kernels(variant, D, block_d, cfg, dt, windowed=False):
+def _bwd_kernels(variant, D, block_d, cfg, dt, scale, windowed=False):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
                   CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
-                  ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd)
+                  ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd,
+                  SIGMA_PRE=_sigma_prescaled(scale))
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":
@@ -894,7 +935,7 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
         ds_dtype = torch.float32 if dt == tl.float32 else qc.dtype
         strips = _ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
-    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, window is not None):
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, scale, window is not None):
         sync = torch.zeros(strips + 1 + B * H, dtype=torch.int32, device=qc.device)  # strips, ticket, heads
         kernel[(B * H * (nc + nr * consts["FINISH"]),)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read

@@ -264,6 +264,13 @@ TRITON_CASES = [
 ]
 
 
+def test_triton_cases_take_both_sigma_scalings():
+    """Sigma's operand carries s / 2 only where that is exact (castle._half_scaled); the cases below must run
+    both ways."""
+    assert {castle._sigma_prescaled(D ** -0.5 if s is None else s) for _, D, *_, s in TRITON_CASES} == {True, False}
+    assert castle._sigma_prescaled(64 ** -0.5) and not castle._sigma_prescaled(128 ** -0.5)
+
+
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
 @pytest.mark.parametrize("L,D,window,cfg,dtype,scale", TRITON_CASES)
 def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
