@@ -329,14 +329,17 @@ if triton is not None:
         if DT == tl.float32:
             return tl.sigmoid(x)
         else:
-            return _sigmoid_of_half(x * 0.5)
+            return _sigmoid_of_half(x * 0.5, DT)
 
     @triton.jit
-    def _sigmoid_of_half(y):
-        """sigmoid(2 y) = 0.5 + 0.5 tanh(y) on one tanh.approx (see _sigmoid)."""
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
-                                      pack=1)
-        return 0.5 + 0.5 * t
+    def _sigmoid_of_half(y, DT: tl.constexpr):
+        """sigmoid(2 y): with 16-bit operands 0.5 + 0.5 tanh(y) on one tanh.approx (see _sigmoid)."""
+        if DT == tl.float32:
+            return tl.sigmoid(2.0 * y)
+        else:
+            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
+                                          is_pure=True, pack=1)
+            return 0.5 + 0.5 * t
 
     @triton.jit
     def _half_scaled(x, scale: tl.constexpr, SIGMA_PRE: tl.constexpr, DT: tl.constexpr):
@@ -358,10 +361,7 @@ if triton is not None:
         half_logit = tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC)
         if not SIGMA_PRE:
             half_logit *= 0.5 * scale
-        if DT == tl.float32:
-            sig = tl.sigmoid(2.0 * half_logit)
-        else:
-            sig = _sigmoid_of_half(half_logit)
+        sig = _sigmoid_of_half(half_logit, DT)
         if (a * BM <= c * BN + BN - 1) | (a * BM + BM - 1 > c * BN + W):
             rows_c = c * BN + tl.arange(0, BN)
             rows_a = a * BM + tl.arange(0, BM)
@@ -672,8 +672,9 @@ if triton is not None:
                         dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
                         if folded:
                             dsig += tl.dot(du.to(DT), vu_t, input_precision=PREC)
-                        sig_s = sig.to(tl.float32) * scale       # dsig is unscaled: R_a / s and dU_c / s
-                        dz = (dsig * (sig_s - sig_s * sig.to(tl.float32))).to(DT)
+                        sig32 = sig.to(tl.float32)
+                        sig_s = sig32 * scale                     # dsig is unscaled: R_a / s and dU_c / s
+                        dz = (dsig * (sig_s - sig_s * sig32)).to(DT)
                         dqu += tl.dot(dz, ku_a, input_precision=PREC)
                         qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC)   # half of dKu's term
                         tl.atomic_add(DKU + g_ptr, qu_term, mask=mask_a, sem="relaxed")
@@ -771,8 +772,8 @@ if triton is not None:
                      SIGMA_PRE: tl.constexpr):
         """Row block a of head bh, once the backward's adds to it are done: E_a, summed over key blocks,
         gives dQc_a += E_a Vu_a and dVu_a += E_a^T Qc_a (eq 31); the three fp32 row gradients then take
-        their factor s (dKu 2 with SIGMA_PRE: its sum came from _half_scaled Qu) and are written in the output dtype. The
-        sums are read through L2 (.cg): other programs wrote them."""
+        their factor s (dKu 2 with SIGMA_PRE: its sum came from _half_scaled Qu) and are written in the output
+        dtype. The sums are read through L2 (.cg): other programs wrote them."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, BLOCK_D)
