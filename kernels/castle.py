@@ -320,26 +320,36 @@ if triton is not None:
     _LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in base 2; LSE is stored in log2 units
 
     @triton.jit
-    def _sigmoid(x, DT: tl.constexpr):
-        """fp32 sigmoid. With 16-bit operands it is 0.5 + 0.5 tanh(x / 2) on one tanh.approx (a single
-        special-function op where tl.sigmoid takes two, ex2 and rcp; absolute error <= 2.5e-4, below the
-        bf16 rounding every sigmoid here meets next): the kernels spend much of a tile on the
-        special-function units, and this took 21% off the forward and 11% off the backward on an H100
-        (scripts/NOTES_castle.md). fp32 operands keep the exact form."""
-        if DT == tl.float32:
-            return tl.sigmoid(x)
-        else:
-            return _sigmoid_of_half(x * 0.5, DT)
+    def _tanh_approx(y):
+        """tanh on one tanh.approx (absolute error <= 5e-4): sigmoid(x) = 0.5 + 0.5 tanh(x / 2) then takes a
+        single special-function op where tl.sigmoid takes two, ex2 and rcp, with an error below the bf16
+        rounding every sigmoid here meets next. The kernels spend much of a tile on the special-function
+        units: this took 21% off the forward and 11% off the backward on an H100 (scripts/NOTES_castle.md).
+        For 16-bit operands only; fp32 ones keep the exact forms."""
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32, is_pure=True,
+                                         pack=1)
 
     @triton.jit
     def _sigmoid_of_half(y, DT: tl.constexpr):
-        """sigmoid(2 y): with 16-bit operands 0.5 + 0.5 tanh(y) on one tanh.approx (see _sigmoid)."""
+        """sigmoid(2 y) in fp32 (_tanh_approx with 16-bit operands)."""
         if DT == tl.float32:
             return tl.sigmoid(2.0 * y)
         else:
-            t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [y], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-            return 0.5 + 0.5 * t
+            return 0.5 + 0.5 * _tanh_approx(y)
+
+    @triton.jit
+    def _silu_and_sigmoid(s, scale: tl.constexpr, DT: tl.constexpr):
+        """(SiLU(x), sigmoid(x)) of x = scale * s in fp32. With 16-bit operands from h = x / 2 (_tanh_approx):
+        sigmoid = 0.5 + 0.5 tanh(h) and SiLU = x sigmoid = h + h tanh(h), a multiply fewer than x, x / 2, x
+        sigmoid."""
+        if DT == tl.float32:
+            x = s * scale
+            sg = tl.sigmoid(x)
+            return x * sg, sg
+        else:
+            h = s * (0.5 * scale)
+            t = _tanh_approx(h)
+            return h + h * t, 0.5 + 0.5 * t
 
     @triton.jit
     def _half_scaled(x, scale: tl.constexpr, SIGMA_PRE: tl.constexpr, DT: tl.constexpr):
@@ -370,14 +380,24 @@ if triton is not None:
         return sig
 
     @triton.jit
-    def _causal_log2(sc, a, c, BM: tl.constexpr, BN: tl.constexpr):
-        """Scores in log2 units, -inf above the diagonal; masked only on tiles that meet it."""
-        sc = sc * _LOG2E
+    def _causal(sc, a, c, BM: tl.constexpr, BN: tl.constexpr, ASM: tl.constexpr):
+        """Scores -inf above the diagonal; masked only on tiles that meet it."""
         if a * BM < c * BN + BN - 1:
-            rows_a = a * BM + tl.arange(0, BM)
+            rows_a = _kept_in_branch(a, ASM) * BM + tl.arange(0, BM)
             rows_c = c * BN + tl.arange(0, BN)
             sc = tl.where(rows_a[:, None] >= rows_c[None, :], sc, float("-inf"))
         return sc
+
+    @triton.jit
+    def _kept_in_branch(x, ASM: tl.constexpr):
+        """The int32 x, passed on a GPU (ASM) through inline PTX that the compiler must assume has side effects:
+        the code of a branch that takes it then stays a branch. Otherwise LLVM turns a mask under a runtime
+        test into selects on every tile (the causal mask: ~100 instructions a tile; as a branch 3% off the
+        forward and 2% off fwd+bwd at D = 64 on an H200)."""
+        if ASM:
+            return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            return x
 
     @triton.jit
     def _last_row_block(c, W, NR, BM: tl.constexpr, BN: tl.constexpr):
@@ -509,18 +529,20 @@ if triton is not None:
                         tl.atomic_add(u_ptr, upd, sem="relaxed")
                     _block_barrier(step, ASM)
                     tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
-            sc = tl.dot(qc_a, tl.trans(kc_c), -s * _sigmoid(s, DT), input_precision=PREC)  # eq (19)
-            sc = _causal_log2(sc, a, c, BM, BN)
-            m_new = tl.maximum(m, tl.max(sc, 1))      # online softmax (Algorithm 2)
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(sc - m_new[:, None])
+            silu, _ = _silu_and_sigmoid(s, 1.0, DT)
+            sc = tl.dot(qc_a, tl.trans(kc_c), -silu, input_precision=PREC)                  # eq (19)
+            sc = _causal(sc, a, c, BM, BN, ASM)
+            # online softmax (Algorithm 2) in base 2: the scores take log2(e) in the exponent's FMA
+            m_new = tl.maximum(m, tl.max(sc, 1))
+            alpha = tl.exp2((m - m_new) * _LOG2E)
+            p = tl.exp2(sc * _LOG2E - (m_new * _LOG2E)[:, None])
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(DT), vc_c, input_precision=PREC)
             m = m_new
 
         o_ptr = OUT + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(o_ptr, (acc / denom[:, None]).to(OUT.dtype.element_ty), mask=mask_a)
-        tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m + tl.log2(denom))
+        tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m * _LOG2E + tl.log2(denom))
 
     @triton.jit
     def _bwd_column(
@@ -529,6 +551,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr, SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
+        ASM: tl.constexpr,
     ):
         """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
@@ -632,17 +655,15 @@ if triton is not None:
                     u_t = u.to(DT)
                     if after:
                         s += tl.dot(qc_a, tl.trans(u_t), input_precision=PREC)
-                    s *= scale
                     if not SIGMA_GRADS and folded:
                         u += tl.dot(sig, tl.trans(vu_t), input_precision=PREC)               # eq (23)
                     # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
                     # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
-                    sg = _sigmoid(s, DT)
-                    silu = s * sg
+                    silu, sg = _silu_and_sigmoid(s, scale, DT)
                     sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - silu
                     dsilu = sg + silu * (1.0 - sg)
-                    sc = _causal_log2(sc, a, c, BM, BN)
-                    p = tl.exp2(sc - lse_a[:, None])                                        # eq (25)
+                    sc = _causal(sc, a, c, BM, BN, ASM)
+                    p = tl.exp2(sc * _LOG2E - lse_a[:, None])                               # eq (25)
                     if CAUSAL_GRADS:
                         dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)       # eq (27)
                     dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                 # eq (26)
@@ -699,7 +720,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr, ROW_GUARD: tl.constexpr,
-        SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
+        SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr, ASM: tl.constexpr,
     ):
         """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
         work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
@@ -728,19 +749,19 @@ if triton is not None:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD,
-                            SIGMA_STAGES, SIGMA_PRE)
+                            SIGMA_STAGES, SIGMA_PRE, ASM)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD,
-                            SIGMA_STAGES, SIGMA_PRE)
+                            SIGMA_STAGES, SIGMA_PRE, ASM)
                 tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
                 tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
             else:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD, 1,
-                            SIGMA_PRE)
+                            SIGMA_PRE, ASM)
             if FINISH:
                 tl.debug_barrier()   # every thread's adds issued before the release publishes them
                 tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
@@ -883,7 +904,7 @@ def _bwd_kernels(variant, D, block_d, cfg, dt, scale, windowed=False):
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
                   CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
                   ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd,
-                  SIGMA_PRE=_sigma_prescaled(scale))
+                  SIGMA_PRE=_sigma_prescaled(scale), ASM=not _interpreting())
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":
