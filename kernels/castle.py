@@ -338,6 +338,16 @@ if triton is not None:
             return 0.5 + 0.5 * _tanh_approx(y)
 
     @triton.jit
+    def _neg_silu(x, DT: tl.constexpr):
+        """-SiLU(x) in fp32. With 16-bit operands g - g tanh(g) for g = -x / 2 (_tanh_approx): the sign sits
+        in the FMA, where -(h + h tanh(h)) for h = x / 2 cost an add."""
+        if DT == tl.float32:
+            return -x * tl.sigmoid(x)
+        else:
+            g = x * -0.5
+            return g - g * _tanh_approx(g)
+
+    @triton.jit
     def _silu_and_sigmoid(s, scale: tl.constexpr, DT: tl.constexpr):
         """(SiLU(x), sigmoid(x)) of x = scale * s in fp32. With 16-bit operands from h = x / 2 (_tanh_approx):
         sigmoid = 0.5 + 0.5 tanh(h) and SiLU = x sigmoid = h + h tanh(h), a multiply fewer than x, x / 2, x
@@ -400,6 +410,23 @@ if triton is not None:
             return x
 
     @triton.jit
+    def _load_tile(ptrs, mask, IN_BOUNDS: tl.constexpr):
+        """tl.load, zero where mask is false. IN_BOUNDS (the tile's rows are all < L and BLOCK_D = HEAD_DIM,
+        as when L is a multiple of the row block): no mask, so the row loops build none and fill no zeros."""
+        if IN_BOUNDS:
+            return tl.load(ptrs)
+        else:
+            return tl.load(ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _atomic_add_tile(ptrs, x, mask, IN_BOUNDS: tl.constexpr):
+        """Relaxed fp32 atomic adds of the tile x where mask holds (everywhere with IN_BOUNDS, see _load_tile)."""
+        if IN_BOUNDS:
+            tl.atomic_add(ptrs, x, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, x, mask=mask, sem="relaxed")
+
+    @triton.jit
     def _last_row_block(c, W, NR, BM: tl.constexpr, BN: tl.constexpr):
         """Last row block whose contributors reach key block c (spec §3.6): i <= (c+1)*BN - 1 + W."""
         return tl.minimum(((c + 1) * BN - 1 + W) // BM, NR - 1)
@@ -457,6 +484,7 @@ if triton is not None:
         stride_b, stride_h, stride_l, H, L, NR, W, save_t, HEAD_GROUP, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
+        IN_BOUNDS: tl.constexpr,
     ):
         # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
         # tickets: ticket -> (head, row block), each head's row blocks in increasing order, HEAD_GROUP heads
@@ -502,9 +530,9 @@ if triton is not None:
             rows_c = c * BN + offs_n
             mask_c = (rows_c[:, None] < L) & dmask
             ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
-            qu_c = tl.load(QU + ptr_c, mask=mask_c, other=0.0).to(DT)
-            kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
-            vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
+            qu_c = _load_tile(QU + ptr_c, mask_c, IN_BOUNDS).to(DT)
+            kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
+            vc_c = _load_tile(VC + ptr_c, mask_c, IN_BOUNDS).to(DT)
             u_ptr = u_base + rows_c[:, None] * BLOCK_D + offs_d[None, :]
             last_row = _last_row_block(c, W, NR, BM, BN)
 
@@ -529,15 +557,14 @@ if triton is not None:
                         tl.atomic_add(u_ptr, upd, sem="relaxed")
                     _block_barrier(step, ASM)
                     tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
-            silu, _ = _silu_and_sigmoid(s, 1.0, DT)
-            sc = tl.dot(qc_a, tl.trans(kc_c), -silu, input_precision=PREC)                  # eq (19)
+            sc = tl.dot(qc_a, tl.trans(kc_c), _neg_silu(s, DT), input_precision=PREC)        # eq (19)
             sc = _causal(sc, a, c, BM, BN, ASM)
             # online softmax (Algorithm 2) in base 2: the scores take log2(e) in the exponent's FMA
             m_new = tl.maximum(m, tl.max(sc, 1))
             alpha = tl.exp2((m - m_new) * _LOG2E)
             p = tl.exp2(sc * _LOG2E - (m_new * _LOG2E)[:, None])
             denom = denom * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(DT), vc_c, input_precision=PREC)
+            acc = tl.dot(p.to(DT), vc_c, acc * alpha[:, None], input_precision=PREC)
             m = m_new
 
         o_ptr = OUT + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
@@ -551,7 +578,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr, SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
-        ASM: tl.constexpr,
+        ASM: tl.constexpr, IN_BOUNDS: tl.constexpr,
     ):
         """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
@@ -559,11 +586,11 @@ if triton is not None:
         Carried for key block c: U_c (walking down: as of the start of row block a + 1 on entering a step, read
         from this program's rows of the fp32 (BH, lse_rows, BLOCK_D) buffer; walking up: as of the start of row
         block a, from zero), dU_c (gradient of the rows after a) and dKc, dVc, dQu, all in registers and all
-        without the factor s, which each takes once: dKc, dVc, dQu, which only this column writes, when they go
-        to their (B, H, L, D) outputs in the output dtype, the row gradients' fp32 sums in _finish_rows (so R_a,
-        dU_c, Qu_c's share of dKu and every atomic add are unscaled; Qu_c comes _half_scaled for sigma).
-        Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs 27, 30, 31; E
-        added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu,
+        without their factors s, which each takes once: dKc, dVc, dQu (s^2: the sigma logit's too), which only
+        this column writes, when they go to their (B, H, L, D) outputs in the output dtype, the row gradients'
+        fp32 sums in _finish_rows (so R_a, dU_c, Qu_c's share of dKu and every atomic add are unscaled; Qu_c
+        comes _half_scaled for sigma). Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs
+        27, 30, 31; E, unmasked, added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu,
         dVu. DS_MODE: 0 recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this
         program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
         there instead of recomputing the scores (then U is not needed at all) and forms E; its row loop then
@@ -583,8 +610,8 @@ if triton is not None:
         ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
         qu_c = _half_scaled(tl.load(QU + ptr_c, mask=mask_c, other=0.0), scale, SIGMA_PRE, DT)
         if DS_MODE != 2:
-            kc_c = tl.load(KC + ptr_c, mask=mask_c, other=0.0).to(DT)
-            vc_c = tl.load(VC + ptr_c, mask=mask_c, other=0.0).to(DT)
+            kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
+            vc_c = _load_tile(VC + ptr_c, mask_c, IN_BOUNDS).to(DT)
         last_row = _last_row_block(c, W, NR, BM, BN)
         own_row = c // (BM // BN)                                 # the row block holding key block c
         u = tl.zeros([BN, BLOCK_D], dtype=tl.float32)
@@ -620,17 +647,17 @@ if triton is not None:
                 ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
                 g_ptr = g_off + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
                 e_ptr = e_off + rows_a[:, None] * BM + offs_m[None, :]
-                qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
-                ku_a = tl.load(KU + ptr_a, mask=mask_a, other=0.0).to(DT)
+                qc_a = _load_tile(QC + ptr_a, mask_a, IN_BOUNDS).to(DT)
+                ku_a = _load_tile(KU + ptr_a, mask_a, IN_BOUNDS).to(DT)
                 # Vu_a^T. For the pipelined sigma pass loaded as a (D, m) tile, which its products take as it is:
                 # loaded as (m, D), they read it through one transposed view, and Triton 3.6 gave it a single
                 # buffer, which the next step's prefetch overwrote before its last read (wrong gradients).
                 # Unpipelined, the (m, D) load is 1% faster (D = 128).
                 if SIGMA_STAGES > 1:
-                    vu_t = tl.load(VU + off + rows_a[None, :] * stride_l + offs_d[:, None], mask=tl.trans(mask_a),
-                                   other=0.0).to(DT)
+                    vu_t = _load_tile(VU + off + rows_a[None, :] * stride_l + offs_d[:, None], tl.trans(mask_a),
+                                      IN_BOUNDS).to(DT)
                 else:
-                    vu_t = tl.trans(tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT))
+                    vu_t = tl.trans(_load_tile(VU + ptr_a, mask_a, IN_BOUNDS).to(DT))
                 in_window = a <= last_row
                 folded = in_window & (a < NR - 1)           # row a added sigma_{c,a} Vu_a to U_c (eq 23)
                 after = a * BM >= (c + 1) * BN              # key block c lies before the row block (U_c != 0)
@@ -643,7 +670,7 @@ if triton is not None:
                 if DS_MODE == 2:
                     ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
                 else:
-                    do_a = tl.load(DO + g_ptr, mask=mask_a, other=0.0).to(DT)
+                    do_a = _load_tile(DO + g_ptr, mask_a, IN_BOUNDS).to(DT)
                     lse_a = tl.load(LSE + lse_off + rows_a)
                     delta_a = tl.load(DELTA + lse_off + rows_a)
                     # Recompute the scores of the tile (eqs 22/24, 19) from U_c as of the start of row block a.
@@ -680,27 +707,27 @@ if triton is not None:
                 if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
                     if DS_MODE == 2 or CAUSAL_GRADS:
                         # E (eq 31) only meets operands of row block a: summed over the key blocks here, its
-                        # products with Vu_a and Qc_a are taken once per row block (_finish_rows).
-                        e = tl.where(tril, tl.dot(ds, sig, input_precision=PREC), 0.0)
-                        tl.atomic_add(E + e_ptr, e, sem="relaxed")
+                        # mask and its products with Vu_a and Qc_a are taken once per row block (_finish_rows).
+                        tl.atomic_add(E + e_ptr, tl.dot(ds, sig, input_precision=PREC), sem="relaxed")
                     if SIGMA_GRADS:
                         # Row a's update of U_c (eq 23) takes the upstream gradient dU of the rows after a
                         # (eq 32), so dU gets this tile's own contribution only at the end.
                         if folded:
                             dvu_a = tl.dot(tl.trans(sig), du.to(DT), input_precision=PREC)
-                            tl.atomic_add(DVU + g_ptr, dvu_a, mask=mask_a, sem="relaxed")
+                            _atomic_add_tile(DVU + g_ptr, dvu_a, mask_a, IN_BOUNDS)
                         # Both gradient paths into sigma_{c,a}: the local term (via R) and the U_c update.
                         dsig = tl.dot(tl.trans(ds), r, input_precision=PREC)
                         if folded:
                             dsig += tl.dot(du.to(DT), vu_t, input_precision=PREC)
+                        # dz: the logit's gradient / s (dsig is unscaled: R_a / s, dU_c / s); dQu and dKu take
+                        # s^2 once, this s and the logit's
                         sig32 = sig.to(tl.float32)
-                        sig_s = sig32 * scale                     # dsig is unscaled: R_a / s and dU_c / s
-                        dz = (dsig * (sig_s - sig_s * sig32)).to(DT)
+                        dz = (dsig * (sig32 - sig32 * sig32)).to(DT)
                         dqu += tl.dot(dz, ku_a, input_precision=PREC)
                         qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC)   # half of dKu's term
-                        tl.atomic_add(DKU + g_ptr, qu_term, mask=mask_a, sem="relaxed")
+                        _atomic_add_tile(DKU + g_ptr, qu_term, mask_a, IN_BOUNDS)
                 if CAUSAL_GRADS:
-                    tl.atomic_add(DQC + g_ptr, dqc_a, mask=mask_a, sem="relaxed")
+                    _atomic_add_tile(DQC + g_ptr, dqc_a, mask_a, IN_BOUNDS)
                 if SIGMA_GRADS and after:
                     du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC)
             a += step
@@ -710,7 +737,7 @@ if triton is not None:
             tl.store(DKC + gc_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
             tl.store(DVC + gc_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_c)
         if SIGMA_GRADS:
-            tl.store(DQU + gc_ptr, (dqu * scale).to(DQU.dtype.element_ty), mask=mask_c)
+            tl.store(DQU + gc_ptr, (dqu * (scale * scale)).to(DQU.dtype.element_ty), mask=mask_c)
 
     @triton.jit
     def _castle_bwd_kernel(
@@ -720,7 +747,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr, ROW_GUARD: tl.constexpr,
-        SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr, ASM: tl.constexpr,
+        SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr, ASM: tl.constexpr, IN_BOUNDS: tl.constexpr,
     ):
         """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
         work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
@@ -749,19 +776,19 @@ if triton is not None:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD,
-                            SIGMA_STAGES, SIGMA_PRE, ASM)
+                            SIGMA_STAGES, SIGMA_PRE, ASM, IN_BOUNDS)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD,
-                            SIGMA_STAGES, SIGMA_PRE, ASM)
+                            SIGMA_STAGES, SIGMA_PRE, ASM, IN_BOUNDS)
                 tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
                 tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
             else:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD, 1,
-                            SIGMA_PRE, ASM)
+                            SIGMA_PRE, ASM, IN_BOUNDS)
             if FINISH:
                 tl.debug_barrier()   # every thread's adds issued before the release publishes them
                 tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
@@ -791,10 +818,11 @@ if triton is not None:
                      H, L, NR, scale: tl.constexpr, HEAD_DIM: tl.constexpr, BM: tl.constexpr,
                      BLOCK_D: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
                      SIGMA_PRE: tl.constexpr):
-        """Row block a of head bh, once the backward's adds to it are done: E_a, summed over key blocks,
-        gives dQc_a += E_a Vu_a and dVu_a += E_a^T Qc_a (eq 31); the three fp32 row gradients then take
-        their factor s (dKu 2 with SIGMA_PRE: its sum came from _half_scaled Qu) and are written in the output
-        dtype. The sums are read through L2 (.cg): other programs wrote them."""
+        """Row block a of head bh, once the backward's adds to it are done: E_a, summed over key blocks and
+        masked here (tril), gives dQc_a += E_a Vu_a and dVu_a += E_a^T Qc_a (eq 31); the three fp32 row
+        gradients then take their factors (dQc, dVu s; dKu s^2, or 2 s with SIGMA_PRE: its sum came from
+        _half_scaled Qu) and are written in the output dtype. The sums are read through L2 (.cg): other
+        programs wrote them."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         offs_m = tl.arange(0, BM)
         offs_d = tl.arange(0, BLOCK_D)
@@ -803,7 +831,8 @@ if triton is not None:
         ptr_a = off + rows_a[:, None] * stride_l + offs_d[None, :]
         g_ptr = bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
         e = tl.load(E + bh.to(tl.int64) * (NR * BM * BM) + rows_a[:, None] * BM + offs_m[None, :],
-                    cache_modifier=".cg").to(DT)
+                    cache_modifier=".cg")
+        e = tl.where(offs_m[:, None] >= offs_m[None, :], e, 0.0).to(DT)
         qc_a = tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(DT)
         vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
         dqc = tl.load(DQC + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
@@ -814,9 +843,9 @@ if triton is not None:
         tl.store(DVU_OUT + g_ptr, dvu.to(DVU_OUT.dtype.element_ty), mask=mask_a)
         dku = tl.load(DKU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
         if SIGMA_PRE:
-            dku *= 2.0
+            dku *= 2.0 * scale
         else:
-            dku *= scale
+            dku *= scale * scale
         tl.store(DKU_OUT + g_ptr, dku.to(DKU_OUT.dtype.element_ty), mask=mask_a)
 
 
@@ -862,10 +891,17 @@ def _sigma_prescaled(scale):
     return math.frexp(0.5 * scale)[0] == 0.5
 
 
-def _fwd_constexprs(D, block_d, cfg, dt, scale):
+def _fwd_constexprs(D, block_d, cfg, dt, scale, L):
     """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
     return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
-                ASM=not _interpreting(), STAGES=cfg.stages_fwd, SIGMA_PRE=_sigma_prescaled(scale))
+                ASM=not _interpreting(), STAGES=cfg.stages_fwd, SIGMA_PRE=_sigma_prescaled(scale),
+                IN_BOUNDS=_in_bounds(L, cfg.m_fwd, D, block_d))
+
+
+def _in_bounds(L, m, D, block_d):
+    """Whether every (m, block_d) tile of a head lies inside it, so that the kernels load it unmasked (_load_tile:
+    1-2% off fwd+bwd at L = 2048 on an H200)."""
+    return L % m == 0 and D == block_d
 
 
 def _fwd_head_group(cfg, L):
@@ -886,7 +922,7 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     _castle_fwd_kernel[(B * H * nr,)](
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
         qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, _window_or_len(window, L), save_t,
-        _fwd_head_group(cfg, L), scale, **_fwd_constexprs(D, block_d, cfg, dt, scale), num_warps=cfg.warps_fwd,
+        _fwd_head_group(cfg, L), scale, **_fwd_constexprs(D, block_d, cfg, dt, scale, L), num_warps=cfg.warps_fwd,
         num_stages=1,
     )
     return out, lse, u
@@ -898,13 +934,14 @@ def _triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
 _BWD_HEAD_GROUP = 8
 
 
-def _bwd_kernels(variant, D, block_d, cfg, dt, scale, windowed=False):
+def _bwd_kernels(variant, D, block_d, cfg, dt, scale, L, windowed=False):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
     consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
                   CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
                   ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd,
-                  SIGMA_PRE=_sigma_prescaled(scale), ASM=not _interpreting())
+                  SIGMA_PRE=_sigma_prescaled(scale), ASM=not _interpreting(),
+                  IN_BOUNDS=_in_bounds(L, cfg.m_bwd, D, block_d))
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":
@@ -958,7 +995,7 @@ def _triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg
         ds_dtype = torch.float32 if dt == tl.float32 else qc.dtype
         strips = _ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
-    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, scale, window is not None):
+    for _, kernel, consts in _bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, scale, L, window is not None):
         sync = torch.zeros(strips + 1 + B * H, dtype=torch.int32, device=qc.device)  # strips, ticket, heads
         kernel[(B * H * (nc + nr * consts["FINISH"]),)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read
