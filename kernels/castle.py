@@ -61,7 +61,8 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
     the backward's launch, 2.59 since its row loop keeps its invariants inside, 2.51 since the second
     pass is software-pipelined when there is no window, 2.44 since the forward is, 2.43 with its loop in 3
     stages and 8 heads' row blocks interleaved in its launch order, 2.38 with the factor s out of the
-    backward's steps (scripts/NOTES_castle.md).
+    backward's steps, 2.31 with the causal mask a real branch and fewer instructions per tile
+    (scripts/NOTES_castle.md).
   * CASTLE-SWL: tiles whose sigma block is all zero (spec §3.6) skip the sigma work, the local term and
     the U update; only Qc U_c^T and the causal part remain there.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
