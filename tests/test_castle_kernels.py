@@ -261,6 +261,8 @@ TRITON_CASES = [
     (37, 64, 5, TILE32_16, torch.bfloat16, None),
     (37, 64, 5, dataclasses.replace(TILE32_16, row_guard=True), torch.bfloat16, None),
     (17, 96, 40, TILE16, torch.bfloat16, None),
+    (48, 32, None, TILE16, torch.bfloat16, None),     # every tile in bounds: loads and adds unmasked
+    (64, 64, 20, TILE32, torch.float32, None),
 ]
 
 
@@ -269,6 +271,16 @@ def test_triton_cases_take_both_sigma_scalings():
     both ways."""
     assert {castle._sigma_prescaled(D ** -0.5 if s is None else s) for _, D, *_, s in TRITON_CASES} == {True, False}
     assert castle._sigma_prescaled(64 ** -0.5) and not castle._sigma_prescaled(128 ** -0.5)
+
+
+def test_triton_cases_take_both_tile_bounds():
+    """Tiles load and add unmasked only where every one lies inside the head (castle._in_bounds); the cases
+    below must run both ways, in the forward and in the backward."""
+    for m in ("m_fwd", "m_bwd"):
+        assert {castle._in_bounds(L, getattr(cfg, m), D, castle._block_d(D)) for L, D, _, cfg, *_ in TRITON_CASES} \
+            == {True, False}
+    assert castle._in_bounds(2048, 64, 64, 64) and not castle._in_bounds(2000, 64, 64, 64)
+    assert not castle._in_bounds(2048, 64, 96, 128)
 
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
