@@ -591,11 +591,12 @@ if triton is not None:
         this column writes, when they go to their (B, H, L, D) outputs in the output dtype, the row gradients'
         fp32 sums in _finish_rows (so R_a, dU_c, Qu_c's share of dKu and every atomic add are unscaled; Qu_c
         comes _half_scaled for sigma). Which gradients a pass computes: CAUSAL_GRADS dVc, dKc, dQc and E (eqs
-        27, 30, 31; E, unmasked, added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through sigma, dU (eq 32), dQu, dKu,
-        dVu. DS_MODE: 0 recomputes the score gradient dS (eq 29) of every tile; 1 also stores it in this
-        program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads it back; 2 loads dS from
-        there instead of recomputing the scores (then U is not needed at all) and forms E; its row loop then
-        runs software-pipelined with SIGMA_STAGES stages (Triton prefetches the next step's tiles)."""
+        27, 30, 31; E, unmasked, added to the fp32 (BH, NR*BM, BM) buffer E), SIGMA_GRADS the paths through
+        sigma, dU (eq 32), dQu, dKu, dVu. DS_MODE: 0 recomputes the score gradient dS (eq 29) of every tile;
+        1 also stores it in this program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads
+        it back; 2 loads dS from there instead of recomputing the scores (then U is not needed at all) and
+        forms E; its row loop then runs software-pipelined with SIGMA_STAGES stages (Triton prefetches the next
+        step's tiles)."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
