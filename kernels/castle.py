@@ -893,17 +893,21 @@ def _sigma_prescaled(scale):
     return math.frexp(0.5 * scale)[0] == 0.5
 
 
-def _fwd_constexprs(D, block_d, cfg, dt, scale, L):
-    """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
-    return dict(HEAD_DIM=D, BM=cfg.m_fwd, BN=cfg.n_fwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
-                ASM=not _interpreting(), STAGES=cfg.stages_fwd, SIGMA_PRE=_sigma_prescaled(scale),
-                IN_BOUNDS=_in_bounds(L, cfg.m_fwd, D, block_d))
-
-
 def _in_bounds(L, m, D, block_d):
     """Whether every (m, block_d) tile of a head lies inside it, so that the kernels load it unmasked (_load_tile:
     1-2% off fwd+bwd at L = 2048 on an H200)."""
     return L % m == 0 and D == block_d
+
+
+def _tile_constexprs(D, block_d, dt, scale, L, m, n):
+    """The constexprs the forward and the backward kernels share, for tiles of m rows and n keys."""
+    return dict(HEAD_DIM=D, BM=m, BN=n, BLOCK_D=block_d, DT=dt, PREC=_precision(dt), ASM=not _interpreting(),
+                SIGMA_PRE=_sigma_prescaled(scale), IN_BOUNDS=_in_bounds(L, m, D, block_d))
+
+
+def _fwd_constexprs(D, block_d, cfg, dt, scale, L):
+    """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
+    return dict(_tile_constexprs(D, block_d, dt, scale, L, cfg.m_fwd, cfg.n_fwd), STAGES=cfg.stages_fwd)
 
 
 def _fwd_head_group(cfg, L):
@@ -939,11 +943,9 @@ _BWD_HEAD_GROUP = 8
 def _bwd_kernels(variant, D, block_d, cfg, dt, scale, L, windowed=False):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
-    consts = dict(HEAD_DIM=D, BM=cfg.m_bwd, BN=cfg.n_bwd, BLOCK_D=block_d, DT=dt, PREC=_precision(dt),
-                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP,
-                  ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd,
-                  SIGMA_PRE=_sigma_prescaled(scale), ASM=not _interpreting(),
-                  IN_BOUNDS=_in_bounds(L, cfg.m_bwd, D, block_d))
+    consts = dict(_tile_constexprs(D, block_d, dt, scale, L, cfg.m_bwd, cfg.n_bwd), CAUSAL_GRADS=True,
+                  SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=_BWD_HEAD_GROUP, ROW_GUARD=cfg.row_guard,
+                  SIGMA_STAGES=1 if windowed else cfg.stages_bwd)
     if variant == "fused":
         return [("all", _castle_bwd_kernel, consts)]
     if variant == "stored":
