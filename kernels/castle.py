@@ -76,6 +76,7 @@ How the Triton kernels schedule the block algorithm (equivalent to the paper's a
 from __future__ import annotations
 
 import ast
+import functools
 import math
 import os
 from dataclasses import dataclass, fields
@@ -965,11 +966,16 @@ def _ds_strips(device, work, strip_bytes):
     """dS strips of the "stored" backward: four per SM, twice the programs that run at once (two per SM
     at ~240 registers a thread), so that a strip is free again by the time its next ticket comes, and no
     more than _STRIP_MEMORY_SHARE of the free memory (~35 MB a strip at L = 256K: 18 GB for 528 strips)
-    allows, but at least one; under the interpreter two, so that tests reuse strips."""
+    allows, but at least one; under the interpreter two, so that tests reuse strips. Free memory counts the
+    caching allocator's unused blocks too, but torch's statistics of them cost ~0.25 ms of CPU a call
+    (H200), so they are read only where the device's own free memory would cap the strips."""
     if _interpreting():
         return min(work, 2)
-    free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return _strip_count(work, 4 * torch.cuda.get_device_properties(device).multi_processor_count, strip_bytes, free)
+    wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    free = torch.cuda.mem_get_info(device)[0]
+    if _strip_count(work, wanted, strip_bytes, free) < min(work, wanted):
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return _strip_count(work, wanted, strip_bytes, free)
 
 
 def _strip_count(work, wanted, strip_bytes, free_bytes):
@@ -1022,6 +1028,7 @@ def _config_key(cfg):
     return str(tuple(getattr(cfg, f.name) for f in fields(cfg)))
 
 
+@functools.lru_cache(maxsize=None)  # parsing the key took ~30 us of CPU, twice per fwd+bwd
 def _config_from_key(key):
     return TritonConfig(*ast.literal_eval(key))
 

@@ -12,6 +12,7 @@ lengths, forward and all six gradients.
 """
 import dataclasses
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -336,6 +337,21 @@ def test_strip_count_capped_by_free_memory():
     assert castle._strip_count(work=100, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 100
     assert castle._strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=40_000 * mb) == 285
     assert castle._strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=10 * mb) == 1
+
+
+def test_strips_read_allocator_statistics_only_when_capped(monkeypatch):
+    """The allocator's unused blocks count as free memory, but its statistics (slow to read) are only read
+    where the device's own free memory would cap the strips."""
+    mb, reads = 2 ** 20, []
+    monkeypatch.setattr(castle, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reads.append("reserved") or 8_000 * mb)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: reads.append("allocated") or 1_000 * mb)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80_000 * mb, 141_000 * mb))
+    assert castle._ds_strips("cuda", 10_000, mb) == 528 and reads == []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1_000 * mb, 141_000 * mb))
+    # 1000 MB free on the device and 7000 MB unused in the allocator: a quarter of 8000 MB holds 57 strips of 35 MB
+    assert castle._ds_strips("cuda", 10_000, 35 * mb) == 57 and sorted(reads) == ["allocated", "reserved"]
 
 
 @pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
