@@ -727,7 +727,7 @@ if triton is not None:
                         sig32 = sig.to(tl.float32)
                         dz = (dsig * (sig32 - sig32 * sig32)).to(DT)
                         dqu += tl.dot(dz, ku_a, input_precision=PREC)
-                        qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC)   # half of dKu's term
+                        qu_term = tl.dot(tl.trans(dz), qu_c, input_precision=PREC)   # dKu's term / (2s or s^2)
                         _atomic_add_tile(DKU + g_ptr, qu_term, mask_a, IN_BOUNDS)
                 if CAUSAL_GRADS:
                     _atomic_add_tile(DQC + g_ptr, dqc_a, mask_a, IN_BOUNDS)

@@ -45,6 +45,7 @@ FP32_PTRS = {"LSE", "DELTA", "U", "DQC", "DKU", "DVU", "E"}  # fp32 buffers; SYN
 # upper-case ints; the other upper-case args are pointers
 INT_ARGS = {"H", "L", "NR", "NC", "NBH", "NSLOTS", "W", "HEAD_GROUP"}
 FP_SCALARS = {"scale"}
+L = 2048  # the launch's sequence length: every tile in bounds, as the kernels specialise for it
 
 
 def _ptxas():
@@ -66,9 +67,6 @@ def signature(kernel, constexprs, dtype_name):
             sig[name] = "i32"
             attrs[(i,)] = [["tt.divisibility", 16]]
     return sig, attrs
-
-
-L = 2048  # the launch's sequence length: every tile in bounds, as the kernels specialise for it
 
 
 def kernels_for(cfg, D, dtype, variants):
