@@ -378,8 +378,8 @@ if triton is not None:
     def _lookahead_sigma(qu_c, ku_a, c, a, scale: tl.constexpr, W, BN: tl.constexpr, BM: tl.constexpr,
                          SIGMA_PRE: tl.constexpr, PREC: tl.constexpr, DT: tl.constexpr):
         """sigma_{c,a}: weight of contributor i (row block a) in the lookahead key of owner j (key block
-        c), eq (3) with mask (4) / (9): j < i <= j + W. Tiles the mask keeps whole skip it. One of the
-        operands comes _half_scaled."""
+        c), eq (3) with mask (4) / (9): j < i <= j + W. Tiles the mask keeps whole skip it. With SIGMA_PRE one
+        of the operands comes _half_scaled, so the logit leaves the matmul halved; otherwise it is halved here."""
         half_logit = tl.dot(qu_c, tl.trans(ku_a), input_precision=PREC)
         if not SIGMA_PRE:
             half_logit *= 0.5 * scale
@@ -973,9 +973,11 @@ def _ds_strips(device, work, strip_bytes):
         return min(work, 2)
     wanted = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     free = torch.cuda.mem_get_info(device)[0]
-    if _strip_count(work, wanted, strip_bytes, free) < min(work, wanted):
-        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    return _strip_count(work, wanted, strip_bytes, free)
+    strips = _strip_count(work, wanted, strip_bytes, free)
+    if strips < min(work, wanted):  # capped: count the allocator's unused blocks as free too
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        strips = _strip_count(work, wanted, strip_bytes, free + unused)
+    return strips
 
 
 def _strip_count(work, wanted, strip_bytes, free_bytes):

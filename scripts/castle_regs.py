@@ -73,12 +73,13 @@ def kernels_for(cfg, D, dtype, variants):
     """(label, jit function, constexprs, num_warps, num_stages) of the forward and the backward kernel(s)."""
     torch_dt, _, tl_dt = DTYPES[dtype]
     block_d = castle._block_d(D)
+    scale = D ** -0.5
     # the launch's num_stages (1): cfg.stages_fwd reaches the kernel as its STAGES constexpr
-    fwd_consts = castle._fwd_constexprs(D, block_d, cfg, tl_dt, D ** -0.5, L)
+    fwd_consts = castle._fwd_constexprs(D, block_d, cfg, tl_dt, scale, L)
     fwd = ("fwd", castle._castle_fwd_kernel, fwd_consts, cfg.warps_fwd, 1)
     out = {"fwd": [fwd], "bwd": []}
     for v in variants:
-        for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt, D ** -0.5, L):
+        for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt, scale, L):
             # the launch's num_stages (1): cfg.stages_bwd reaches the kernel as its SIGMA_STAGES constexpr
             out["bwd"].append((f"bwd {v}: {label}", fn, consts, cfg.warps_bwd, 1))
     return out
