@@ -413,8 +413,9 @@ if triton is not None:
 
     @triton.jit
     def _load_tile(ptrs, mask, IN_BOUNDS: tl.constexpr):
-        """tl.load, zero where mask is false. IN_BOUNDS (the tile's rows are all < L and BLOCK_D = HEAD_DIM,
-        as when L is a multiple of the row block): no mask, so the row loops build none and fill no zeros."""
+        """tl.load of an input tile, zero where mask is false. IN_BOUNDS (the tile's rows are all < L and
+        BLOCK_D = HEAD_DIM, as when L is a multiple of the row block): no mask, so the kernels build none and
+        fill no zeros (the row loops, every step)."""
         if IN_BOUNDS:
             return tl.load(ptrs)
         else:
@@ -509,9 +510,9 @@ if triton is not None:
         # per row block instead of three per tile, and Qc Kc^T accumulates onto -SiLU(S^U) in the matmul
         # (4% off the forward on an H100). Exact when s is a power of two (D = 16, 64, 256); otherwise one
         # more rounding of Qc in 16-bit operands.
-        qc_a = (tl.load(QC + ptr_a, mask=mask_a, other=0.0).to(tl.float32) * scale).to(DT)
-        ku_a = _half_scaled(tl.load(KU + ptr_a, mask=mask_a, other=0.0), scale, SIGMA_PRE, DT)
-        vu_a = tl.load(VU + ptr_a, mask=mask_a, other=0.0).to(DT)
+        qc_a = (_load_tile(QC + ptr_a, mask_a, IN_BOUNDS).to(tl.float32) * scale).to(DT)
+        ku_a = _half_scaled(_load_tile(KU + ptr_a, mask_a, IN_BOUNDS), scale, SIGMA_PRE, DT)
+        vu_a = _load_tile(VU + ptr_a, mask_a, IN_BOUNDS).to(DT)
         # R_a = s * q^C_t . v^U_i for contributors i <= t inside the row block: once per row (spec §3.7).
         r = tl.dot(qc_a, tl.trans(vu_a), input_precision=PREC)
         r = tl.where(offs_m[:, None] >= offs_m[None, :], r, 0.0).to(DT)
@@ -611,7 +612,7 @@ if triton is not None:
         rows_c = c * BN + offs_n
         mask_c = (rows_c[:, None] < L) & dmask
         ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
-        qu_c = _half_scaled(tl.load(QU + ptr_c, mask=mask_c, other=0.0), scale, SIGMA_PRE, DT)
+        qu_c = _half_scaled(_load_tile(QU + ptr_c, mask_c, IN_BOUNDS), scale, SIGMA_PRE, DT)
         if DS_MODE != 2:
             kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
             vc_c = _load_tile(VC + ptr_c, mask_c, IN_BOUNDS).to(DT)
