@@ -1,19 +1,20 @@
 """Evaluate a checkpoint written by train.py; every result lands in one JSON file.
 
-    python eval.py ckpt=runs/baseline-4x128                      # held-out loss and perplexity
-    python eval.py ckpt=runs/baseline-4x128 data=text eval.val_tokens=1000000
+    python eval.py ckpt=runs/llama-4x128-sample                  # held-out loss and perplexity
+    python eval.py ckpt=runs/llama-4x128-sample data=text eval.val_tokens=1000000
     python eval.py ckpt=runs/castle-S eval.tasks=[lm_eval] lm_eval.preset=castle     # CASTLE Tables 2-3
     python eval.py ckpt=runs/fox eval.tasks=[lm_eval] lm_eval.tasks=[hellaswag] lm_eval.limit=200
     python eval.py ckpt=runs/fox eval.tasks=[long_context,niah]                      # FoX §4.1, §4.2
 
-The evaluations live in evaluation/ (one module each) and are chosen with `eval.tasks=[...]`.
-Results of earlier runs on the same checkpoint stay in its results.json; new ones replace theirs.
+`ckpt` is a run directory (its newest readable checkpoint) or a checkpoint file. The evaluations
+live in evaluation/ (one module each) and are chosen with `eval.tasks=[...]`. Results of earlier
+runs on the same checkpoint stay in its results.json; new ones replace theirs.
 """
 import json
 import os
 import time
 
-import hydra
+from omegaconf import OmegaConf
 
 import evaluation.heldout  # noqa: F401  (registers "heldout")
 import evaluation.lm_eval_adapter  # noqa: F401  (registers "lm_eval")
@@ -21,20 +22,34 @@ import evaluation.long_context  # noqa: F401  (registers "long_context")
 import evaluation.niah  # noqa: F401  (registers "niah")
 import evaluation.tint  # noqa: F401  (registers "tint")
 from evaluation import EVALUATIONS, Context
-from model.gpt import find_checkpoint, load_model
+from model.checkpoint import atomic_write, load_model
+from model.runtime import DEVICE, check_options, entry_point, integer, one_of, optional, text
+
+OPTIONS = {"ckpt": text(), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"), "out": optional(text()),
+           "eval.val_tokens": optional(integer(1)), "eval.batch_size": integer(1), "eval.seq_len": optional(integer(1))}
 
 
-def run(cfg):
+def check_eval_options(cfg):
+    """eval.py's own options and the task list, before the model is loaded."""
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ValueError("ckpt is missing: pass ckpt=RUN_DIR (its newest readable checkpoint) or ckpt=FILE.pt")
     if isinstance(cfg.eval.tasks, str):     # eval.tasks=heldout means [heldout]
         cfg.eval.tasks = [cfg.eval.tasks]
     unknown = set(cfg.eval.tasks) - set(EVALUATIONS)
-    if unknown:
-        raise ValueError(f"unknown eval.tasks {sorted(unknown)}; available: {sorted(EVALUATIONS)}")
+    if unknown or not cfg.eval.tasks:
+        raise ValueError(f"eval.tasks={list(cfg.eval.tasks)} names unknown or no evaluations; "
+                         f"choose from {sorted(EVALUATIONS)}")
     if (cfg.lm_eval.preset or cfg.lm_eval.tasks) and "lm_eval" not in cfg.eval.tasks:
         raise ValueError("lm_eval.preset / lm_eval.tasks are set but eval.tasks has no lm_eval; "
                          "add it, e.g. eval.tasks=[lm_eval]")
-    ckpt_path = find_checkpoint(cfg.ckpt)
-    model, train_cfg, device = load_model(ckpt_path, cfg.device, cfg.dtype)
+    values = {"ckpt": cfg.ckpt, "device": cfg.device, "dtype": cfg.dtype, "out": cfg.out,
+              **{f"eval.{k}": v for k, v in OmegaConf.to_container(cfg.eval).items()}}
+    check_options(values, OPTIONS)
+
+
+def run(cfg):
+    check_eval_options(cfg)
+    model, train_cfg, device, ckpt_path = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     out = cfg.out or os.path.join(os.path.dirname(ckpt_path), "results.json")
     ctx = Context(cfg, train_cfg, device, ckpt_path, os.path.dirname(os.path.abspath(out)))
     results = previous_results(out, ckpt_path)
@@ -46,9 +61,8 @@ def run(cfg):
         results[name] = merge(results.get(name, {}), new)
         summary = json.dumps(new)
         print(f"{name}: {summary[:400] + ' ...' if len(summary) > 400 else summary} ({time.perf_counter() - t0:.1f}s)")
-    with open(out + ".tmp", "w") as f:        # atomic: earlier results survive a crash here
-        json.dump(results, f, indent=2)
-    os.replace(out + ".tmp", out)
+    # atomic: earlier results survive a crash here
+    atomic_write(out, lambda f: f.write(json.dumps(results, indent=2).encode()))
     print(f"wrote {out}")
     return results
 
@@ -69,7 +83,7 @@ def merge(old, new):
     return old
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="evaluate")
+@entry_point("evaluate")
 def main(cfg):
     run(cfg)
 

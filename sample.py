@@ -1,6 +1,9 @@
 """Sample text from a checkpoint written by train.py, streaming tokens as they are generated.
 
-    python sample.py ckpt=runs/baseline-4x128 prompt="The history of" max_new_tokens=100
+    python sample.py ckpt=runs/llama-4x128-sample prompt="The history of" max_new_tokens=100
+
+`ckpt` is a run directory (its newest readable checkpoint) or a checkpoint file. `prompt=` is taken
+literally: any Unicode text, quotes, commas or `${`, with the shell's quoting only.
 
 Sharded decoding (tree attention, kernels/tree.py): every layer's cache is split along the
 sequence axis over the N processes, which all run the same tokens; only rank 0 prints.
@@ -10,51 +13,34 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
 import os
 import sys
 
-import hydra
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 from data.tokenizer import tokenizer_for
-from model.gpt import load_model
-from train import Dist
+from evaluation.samples import stream_text
+from model.checkpoint import load_model
+from model.runtime import (DEVICE, Dist, Rule, boolean, check_options, entry_point, integer, number, one_of,
+                           optional, text)
+
+TOP_K = optional(integer(1))
+OPTIONS = {"ckpt": text(), "prompt": text(nonempty=False), "bos": boolean(), "max_new_tokens": integer(1),
+           "num_samples": integer(1), "temperature": number(0), "seed": integer(0),
+           "top_k": Rule(TOP_K.ok, TOP_K.expected + " (null: no top-k filtering)"),
+           "top_p": optional(number(above=0, high=1)), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"),
+           "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1)}
 
 
-# Characters at the end of the decoded text that a later token can still change: the rest of a
-# multi-byte UTF-8 character, or of a JSON escape such as \u00e9 (gpt2_json tokenizer).
-UNSETTLED_CHARS = 6
-
-
-def stream_text(model, tok, prompt_ids, cfg, device, group=None, show=True):
-    """Print one sample as it is generated (when `show`); return its text."""
-    idx = torch.tensor([prompt_ids], device=device)
-    new_ids, printed = [], 0
-    eot = tok.eot_token if cfg.stop_at_eot else None
-    chunk = cfg.prefill_chunk if group is not None else None
-    for token in model.generate_stream(idx, cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, eot,
-                                       group=group, prefill_chunk=chunk):
-        if eot is not None and token.item() == eot:
-            break
-        new_ids.append(token.item())
-        text = tok.decode(new_ids)
-        if show and len(text) - UNSETTLED_CHARS > printed:
-            printed = write(text[:len(text) - UNSETTLED_CHARS], printed)
-    text = tok.decode(new_ids)
-    if show:
-        write(text, printed)
-        print()
-    return text
-
-
-def write(text, printed):
-    """Print text[printed:]; return len(text)."""
-    sys.stdout.write(text[printed:])
-    sys.stdout.flush()
-    return len(text)
+def check_sample_options(cfg):
+    """Every option's type and range, before the model is loaded."""
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ValueError("ckpt is missing: pass ckpt=RUN_DIR (its newest readable checkpoint) or ckpt=FILE.pt")
+    check_options(OmegaConf.to_container(cfg), OPTIONS)
 
 
 def init_sharding(cfg):
-    """(ranks, group): the processes and devices (train.Dist: one GPU per local rank, NCCL on GPUs,
-    gloo on CPU); group is the process group over all torchrun ranks with sharded=true, else None."""
+    """(ranks, group): the processes and devices (one GPU per local rank, NCCL on GPUs, gloo on
+    CPU); group is the process group over all torchrun ranks with sharded=true, else None."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not cfg.sharded:
         raise ValueError(f"sample.py runs on {world} processes: pass sharded=true to split the cache "
@@ -63,11 +49,12 @@ def init_sharding(cfg):
     return ranks, dist.group.WORLD if ranks.world > 1 else None
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="sample")
+@entry_point("sample", literal_keys=("prompt",))
 def main(cfg):
+    check_sample_options(cfg)
     ranks, group = init_sharding(cfg)
     torch.manual_seed(cfg.seed)
-    model, train_cfg, device = load_model(cfg.ckpt, ranks.device, cfg.dtype)
+    model, train_cfg, device, _ = load_model(cfg.ckpt, ranks.device, cfg.dtype)
     tok = tokenizer_for(train_cfg["data"])
     # training documents start after an end-of-text token, so prompts do too (bos=false: raw prompt)
     prompt_ids = [tok.eot_token] * (cfg.bos or not cfg.prompt) + tok.encode_ordinary(cfg.prompt)
@@ -75,7 +62,10 @@ def main(cfg):
         if ranks.master:
             print(f"--- sample {i + 1}/{cfg.num_samples} ---")
             sys.stdout.write(cfg.prompt)
-        stream_text(model, tok, prompt_ids, cfg, device, group, show=ranks.master)
+        stream_text(model, tok, prompt_ids, device, max_new_tokens=cfg.max_new_tokens,
+                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_at_eot=cfg.stop_at_eot,
+                    group=group, prefill_chunk=cfg.prefill_chunk if group is not None else None,
+                    show=ranks.master)
     ranks.close()
 
 

@@ -1,24 +1,28 @@
 """Pretrain a GPT whose attention is a config switch.
 
     python train.py                                   # tiny model on the bundled corpus (CPU ok)
-    torchrun --nproc_per_node=8 train.py size=S data=fineweb_edu
-    python train.py train.max_steps=1000 model.attention=baseline train.resume=never
+    python train.py model=castle data=text train.max_steps=1000
+    torchrun --nproc_per_node=8 train.py experiment=castle_paper_M
 
-One process or many (torchrun: NCCL on GPU, gloo on CPU). Checkpoints go to train.out_dir and
-`train.resume=auto` continues exactly where the last one stopped.
+One process or many (torchrun: NCCL on GPU, gloo on CPU). The run directory train.out_dir
+(default runs/<model group>-<n_layer>x<n_embd>-<data>) takes the checkpoints; `train.resume=auto`
+continues exactly where its newest readable checkpoint stopped, with the model and data settings
+saved in it. What happens to checkpoints (atomic writes, rotation, recovery, the run-directory lock)
+is model/checkpoint.py's policy; the options are documented in configs/train/default.yaml.
 """
 import contextlib
 import json
 import math
 import os
 import random
+import re
 import signal
 import time
 
-import hydra
 import numpy as np
 import torch
 import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -31,59 +35,74 @@ from tqdm import tqdm
 from data.loader import build_loader
 from data.tokenizer import tokenizer_for
 from evaluation.heldout import mean_loss
-from kernels.sdpa import prefer_sdpa_backend
-from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, checkpoint_files, config_dict,
-                       load_checkpoint)
-from scripts.plot_runs import plot_runs
+from evaluation.plots import plot_runs
+from evaluation.samples import stream_text
+from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
+from model.checkpoint import (archive_earlier_run, archive_newer_checkpoints, atomic_write, checkpoint_files,
+                              config_dict, load_checkpoint, locked_run_dir, model_from_checkpoint,
+                              remove_stale_temp_files, save_checkpoint, saved_model_config)
+from model.gpt import GPT, GPTConfig
+from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
+                           entry_point, integer, number, one_of, optional, pair, text)
+
+# ----------------------------------------------------------------------------- options
+
+OPTIONS = {
+    "train.seq_len": integer(1), "train.micro_batch_size": integer(1),
+    "train.global_batch_tokens": optional(integer(1)), "train.max_steps": integer(1),
+    "train.out_dir": text(), "train.resume": text(), "train.if_exists": one_of("error", "archive"),
+    "train.device": DEVICE, "train.dtype": one_of("auto", "bf16", "fp32"), "train.compile": one_of("auto", True, False),
+    "train.sdpa_backend": one_of("auto", *SDPA_BACKENDS), "train.parallel": one_of("ddp", "fsdp"),
+    "train.seed": integer(0), "train.log_interval": integer(1), "train.eval_interval": integer(1),
+    "train.eval_tokens": integer(1), "train.ckpt_interval": integer(1), "train.keep_last": integer(1),
+    "train.sample_tokens": integer(0), "train.peak_flops": number(above=0),
+    "train.wandb.mode": one_of("disabled", "offline", "online"), "train.wandb.project": text(),
+    "train.wandb.name": optional(text()),
+    "optim.lr": number(above=0), "optim.betas": pair(number(0, 1)), "optim.eps": number(above=0),
+    "optim.weight_decay": number(0), "optim.grad_clip": number(above=0),
+    "optim.warmup_steps": optional(integer(0)), "optim.warmup_tokens": optional(integer(0)),
+    "optim.min_lr_ratio": number(0, 1),
+}
 
 
-# ----------------------------------------------------------------------------- setup
-
-class Dist:
-    """Rank, world size and device of this process; a process group when launched by torchrun."""
-
-    def __init__(self, device_cfg):
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        use_cuda = device_cfg == "cuda" or (device_cfg == "auto" and torch.cuda.is_available())
-        if use_cuda:
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
+def flatten(tree, prefix=""):
+    """{"a": {"b": 1}} -> {"a.b": 1}"""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{prefix}{key}."))
         else:
-            self.device = torch.device(device_cfg if device_cfg not in ("auto", "cuda") else "cpu")
-        if self.world > 1:
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-        self.master = self.rank == 0
-
-    def mean(self, value):
-        """Mean of a float over ranks."""
-        if self.world == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.item() / self.world
-
-    def any(self, flag):
-        """True on every rank when the flag is set on any rank."""
-        if self.world == 1:
-            return flag
-        t = torch.tensor([float(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return t.item() > 0
-
-    def close(self):
-        if self.world > 1:
-            dist.destroy_process_group()
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
-def autocast_context(device, dtype_cfg):
-    use_bf16 = dtype_cfg == "bf16" or (dtype_cfg == "auto" and device.type == "cuda")
-    if dtype_cfg not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"train.dtype={dtype_cfg!r}; choose auto, bf16 or fp32")
-    if use_bf16:
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+def check_train_options(cfg):
+    """Types and ranges of every train.* and optim.* option, before anything starts."""
+    check_options(flatten(OmegaConf.to_container(cfg, resolve=True)), OPTIONS)
+    if cfg.optim.warmup_steps is None and cfg.optim.warmup_tokens is None:
+        raise ValueError("optim.warmup_steps and optim.warmup_tokens are both null; set one of them")
+    if cfg.train.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"train.device={cfg.train.device} but no CUDA device is visible; use train.device=auto or cpu")
+    resume = cfg.train.resume
+    if resume not in ("auto", "never") and not os.path.exists(resume):
+        raise FileNotFoundError(f"train.resume={resume} does not exist; use auto, never, a run directory "
+                                "or a ckpt_<step>.pt file")
+
+
+def build_model_config(cfg):
+    """GPTConfig of cfg.model (types checked), for the tokenizer of cfg.data and the context train.seq_len."""
+    values = OmegaConf.to_container(cfg.model, resolve=True)
+    check_dataclass_types(GPTConfig, values, "model.")
+    n_vocab = tokenizer_for(cfg.data).n_vocab
+    config = GPTConfig.from_dict({**values, "tokenizer_vocab_size": n_vocab})
+    if config.vocab_size < n_vocab:
+        raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's {n_vocab} "
+                         "tokens; use 50304 (GPT-2's 50257 padded to a multiple of 64)")
+    if config.block_size < cfg.train.seq_len:
+        raise ValueError(f"model.block_size={config.block_size} is smaller than train.seq_len={cfg.train.seq_len}: "
+                         "positions past block_size have no position table; leave model.block_size at its "
+                         "default (it follows train.seq_len) or set it >= train.seq_len")
+    return config
 
 
 def grad_accum_steps(cfg, world):
@@ -98,30 +117,24 @@ def grad_accum_steps(cfg, world):
     return cfg.train.global_batch_tokens // per_micro
 
 
-def validate(cfg):
-    """Settings that would otherwise fail deep inside the loop."""
-    for key in ("max_steps", "micro_batch_size", "seq_len", "log_interval", "eval_interval", "ckpt_interval",
-                "keep_last"):
-        if cfg.train[key] < 1:
-            raise ValueError(f"train.{key}={cfg.train[key]} must be >= 1")
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
-
-
 class StopRequest:
     """Ctrl-C (SIGINT) or SIGTERM asks the run to stop at the next step boundary, where the
-    checkpoint is consistent; every rank stops at the same step."""
+    checkpoint is consistent; every rank stops at the same step. Exit code 128 + the signal."""
 
     def __init__(self):
-        self.requested = False
+        self.signal = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._request)
 
-    def _request(self, *_):
-        self.requested = True
+    def _request(self, signum, _frame):
+        self.signal = self.signal or signum
 
     def agreed(self, dist_info):
-        return dist_info.any(self.requested)
+        return dist_info.any(self.signal is not None)
+
+    @property
+    def exit_code(self):
+        return 128 + (self.signal or signal.SIGINT)
 
 
 def lr_at(step, max_steps, warmup, lr, min_ratio):
@@ -137,12 +150,6 @@ def warmup_steps(optim_cfg, tokens_per_step):
     if optim_cfg.warmup_tokens is not None:
         return math.ceil(optim_cfg.warmup_tokens / tokens_per_step)
     return optim_cfg.warmup_steps
-
-
-def parallel_mode(cfg):
-    if cfg.train.parallel not in ("ddp", "fsdp"):
-        raise ValueError(f"train.parallel={cfg.train.parallel!r}; choose ddp or fsdp")
-    return cfg.train.parallel
 
 
 def shard_model(raw_model):
@@ -171,7 +178,7 @@ def make_optimizer(model, optim_cfg, device):
                              fused=device.type == "cuda")
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ----------------------------------------------------------------------------- resuming
 
 def rng_state():
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
@@ -206,43 +213,88 @@ def load_training_state(raw_model, optimizer, ckpt):
     set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
 
 
-def save_checkpoint(out_dir, step, model_state, optim_state, raw_model, loader, cfg, wandb_id, keep_last):
-    """Write ckpt_<step>.pt atomically (temp name + rename) and keep only the newest `keep_last`."""
-    ckpt = {"format": CHECKPOINT_FORMAT, "step": step, "model": model_state,
-            "model_config": config_dict(raw_model.config), "optimizer": optim_state,
-            "loader": loader.state_dict(), "rng": rng_state(),
-            "config": OmegaConf.to_container(cfg, resolve=True), "wandb_id": wandb_id}
-    path = os.path.join(out_dir, f"ckpt_{step}.pt")
-    tmp = path + ".tmp"
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
-    for old in checkpoint_files(out_dir)[:-keep_last]:
-        os.remove(old)
-    return path
+def same_path(a, b):
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def resume_checkpoint(cfg):
-    """The checkpoint to resume from, or None for a fresh run."""
-    mode = cfg.train.resume
-    if mode == "never":
-        return None
-    if mode == "auto":
-        if not checkpoint_files(cfg.train.out_dir):
-            return None
-        return load_checkpoint(cfg.train.out_dir)
-    return load_checkpoint(mode)
+    """(file, checkpoint) to resume from, or (None, None) for a fresh run; refuses a fresh run in a
+    directory that holds checkpoints unless train.if_exists=archive."""
+    out_dir, resume = cfg.train.out_dir, cfg.train.resume
+    in_out_dir = resume == "auto" or same_path(resume, out_dir) or (
+        os.path.isfile(resume) and same_path(os.path.dirname(resume) or ".", out_dir))
+    if in_out_dir:
+        if resume == "auto" and not checkpoint_files(out_dir):
+            return None, None
+        return load_checkpoint(out_dir if resume == "auto" else resume)
+    existing = checkpoint_files(out_dir)
+    if existing and cfg.train.if_exists != "archive":
+        names = ", ".join(os.path.basename(f) for f in existing)
+        raise ValueError(f"train.out_dir={out_dir} holds checkpoints of an earlier run ({names}) and "
+                         f"train.resume={resume} starts a new one there; continue it with train.resume=auto, "
+                         "use another train.out_dir, or move its files into archive/ with train.if_exists=archive")
+    return (None, None) if resume == "never" else load_checkpoint(resume)
 
 
-def check_same_model(ckpt, model_config):
-    saved = ckpt["model_config"]
-    current = config_dict(model_config)
-    diff = {k: (saved.get(k), v) for k, v in current.items() if saved.get(k) != v}
+def override_keys(overrides):
+    """Option or group names set on the command line: `model.n_layer=3` -> model.n_layer, `+x=1` -> x."""
+    return [re.match(r"[+~]*([^=]*)", o).group(1) for o in overrides]
+
+
+# command-line groups that choose a whole config section: with one of them the section is the composed one
+SECTION_GROUPS = {"model": ("model", "size", "experiment"), "data": ("data", "experiment")}
+
+
+def settings_from_checkpoint(cfg, ckpt, overrides):
+    """Resume with the model and data settings saved in the checkpoint, except those chosen on the
+    command line: a section whose group (model=, size=, data=, experiment=) is chosen stays as
+    composed, single options (model.n_layer=3) are applied on top. -> sections taken."""
+    keys = override_keys(overrides)
+    taken = []
+    for section, groups in SECTION_GROUPS.items():
+        if any(k in groups for k in keys):
+            continue
+        saved = OmegaConf.create(ckpt["config"][section])
+        for key in keys:
+            if key.startswith(section + "."):
+                OmegaConf.update(saved, key[len(section) + 1:], OmegaConf.select(cfg, key), merge=False)
+        cfg[section] = saved
+        taken.append(section)
+    return taken
+
+
+def check_same_model(ckpt, model_config, file, overrides):
+    """The model to resume is the model of the checkpoint (its saved config normalized through
+    GPTConfig, so fields older checkpoints lack compare at their defaults)."""
+    saved = config_dict(GPTConfig.from_dict(saved_model_config(ckpt)))
+    diff = [f"{k}={saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in config_dict(model_config).items()
+            if saved.get(k) != v]
     if diff:
-        raise ValueError(f"the checkpoint to resume comes from another model: (checkpoint, config) "
-                         f"differ in {diff}. Use another train.out_dir or train.resume=never")
+        chosen = [o for o, k in zip(overrides, override_keys(overrides))
+                  if k.split(".")[0] in SECTION_GROUPS["model"]]
+        raise ValueError(f"cannot resume {file}: it holds another model ({'; '.join(diff)}). To continue it, "
+                         f"leave out the model overrides ({' '.join(chosen) or 'none given'}); to train this "
+                         "model, use another train.out_dir")
 
 
 # ----------------------------------------------------------------------------- logging
+
+def drop_records_after(path, step):
+    """Rewrite metrics.jsonl without the records past `step` (steps a resumed run repeats) and
+    without a line that a killed writer cut short."""
+    if not os.path.isfile(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", 0) <= step:
+                kept.append(json.dumps(record) + "\n")
+    atomic_write(path, lambda f: f.write("".join(kept).encode()))
+
 
 class Metrics:
     """metrics.jsonl in the run dir, plus wandb on rank 0 when enabled."""
@@ -283,31 +335,51 @@ def validation_loss(model, cfg, dist_info, autocast):
 
 def print_sample(model, cfg, device):
     tok = tokenizer_for(cfg.data)
-    idx = torch.tensor([[tok.eot_token]], device=device)
-    out = model.generate(idx, cfg.train.sample_tokens, temperature=0.8, top_k=200)
-    print("\n--- sample ---\n" + tok.decode(out[0, 1:].tolist()) + "\n--------------")
+    print("\n--- sample ---")
+    stream_text(model, tok, [tok.eot_token], device, max_new_tokens=cfg.train.sample_tokens, temperature=0.8,
+                top_k=200)
+    print("--------------")
+
+
+def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
+    """Final lines of a run, and loss.png in the run dir."""
+    plot = plot_runs([out_dir], os.path.join(out_dir, "loss.png"))
+    parts = [f"{step} steps", f"{step * tokens_per_step:,} tokens", f"{seconds / 60:.1f} min"]
+    if "loss" in summary:
+        parts += [f"train loss {summary['loss']:.4f}", f"{summary['tok_per_s']:,.0f} tok/s"]
+    if summary.get("mfu") is not None:
+        parts.append(f"MFU {summary['mfu']:.1%}")
+    if "val_loss" in summary:
+        parts.append(f"val loss {summary['val_loss']:.4f}")
+    print("done: " + " | ".join(parts) + f"\ncheckpoint: {last_ckpt}\nloss curve: {plot}")
 
 
 # ----------------------------------------------------------------------------- training
 
-def train(cfg):
-    validate(cfg)
+def train(cfg, overrides, model_group):
+    """overrides: the command line's Hydra overrides; model_group: the chosen model config's name."""
     dist_info = Dist(cfg.train.device)
+    out_dir = cfg.train.out_dir
+    with locked_run_dir(out_dir) if dist_info.master else contextlib.nullcontext():
+        run(cfg, overrides, model_group, dist_info, out_dir)
+
+
+def run(cfg, overrides, model_group, dist_info, out_dir):
     device = dist_info.device
     torch.manual_seed(cfg.train.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    out_dir = cfg.train.out_dir
-    os.makedirs(out_dir, exist_ok=True)
 
-    model_config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    n_vocab = tokenizer_for(cfg.data).n_vocab
-    if model_config.vocab_size < n_vocab:
-        raise ValueError(f"model.vocab_size={model_config.vocab_size} is smaller than the tokenizer's {n_vocab} "
-                         "tokens; use 50304 (GPT-2's 50257 padded to a multiple of 64)")
+    resume_file, ckpt = resume_checkpoint(cfg)
+    taken = settings_from_checkpoint(cfg, ckpt, overrides) if ckpt else []
+    if "model" in taken:
+        model_group = ckpt.get("model_group", ckpt["config"]["model"]["attention"])
+    model_config = build_model_config(cfg)
+    if ckpt:
+        check_same_model(ckpt, model_config, resume_file, overrides)
     raw_model = GPT(model_config).to(device)
-    fsdp = dist_info.world > 1 and parallel_mode(cfg) == "fsdp"
+    fsdp = dist_info.world > 1 and cfg.train.parallel == "fsdp"
     if fsdp:       # in place, before the optimizer sees the parameters
         shard_model(raw_model)
     optimizer = make_optimizer(raw_model, cfg.optim, device)
@@ -316,33 +388,32 @@ def train(cfg):
     loader = build_loader(cfg.data, "train", B, T, dist_info.rank, dist_info.world)
 
     step, wandb_id = 0, None
-    ckpt = resume_checkpoint(cfg)
     if ckpt is not None:
-        check_same_model(ckpt, model_config)
         load_training_state(raw_model, optimizer, ckpt)
         loader.load_state_dict(ckpt["loader"])
         set_rng_state(ckpt["rng"])
         step, wandb_id = ckpt["step"], ckpt["wandb_id"]
         del ckpt
+    # the checkpoint already in out_dir for this step, if the run resumes from one there
+    last_ckpt = resume_file if resume_file and same_path(os.path.dirname(resume_file) or ".", out_dir) else None
 
     if dist_info.master:
-        OmegaConf.save(cfg, os.path.join(out_dir, "config.yaml"), resolve=True)
-        print(f"model: {model_config.attention}, {raw_model.num_params() / 1e6:.2f}M parameters | "
-              f"{dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
-              f"{accum * B * T * dist_info.world} tokens/step | "
-              + (f"resuming at step {step}" if step else "fresh run"))
+        prepare_run_dir(cfg, out_dir, step, resumed_here=last_ckpt is not None)
+        print(f"model: {model_group} ({model_config.attention} attention), {raw_model.num_params() / 1e6:.2f}M "
+              f"parameters | {dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
+              f"{accum * B * T * dist_info.world} tokens/step | run dir {out_dir} | "
+              + (f"resuming at step {step} from {resume_file}" if resume_file else "fresh run")
+              + (f" with its {' and '.join(taken)} settings" if taken else ""))
     metrics = Metrics(cfg, out_dir, wandb_id) if dist_info.master else None
 
     use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
     model = torch.compile(raw_model) if use_compile else raw_model
     if dist_info.world > 1 and not fsdp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = autocast_context(device, cfg.train.dtype)
+    autocast = autocast_context(device, choose_dtype(cfg.train.dtype, device))
     tokens_per_step = accum * B * T * dist_info.world
     warmup = warmup_steps(cfg.optim, tokens_per_step)
     flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
-    last_ckpt = (checkpoint_files(out_dir) or [None])[-1]
-
     saved_step = step if last_ckpt else None
 
     def checkpoint(at_step):
@@ -350,8 +421,11 @@ def train(cfg):
         saved_step = at_step
         model_state, optim_state = full_training_state(raw_model, optimizer)
         if dist_info.master:
-            last_ckpt = save_checkpoint(out_dir, at_step, model_state, optim_state, raw_model, loader, cfg,
-                                        metrics.wandb_id, cfg.train.keep_last)
+            contents = {"model": model_state, "model_config": config_dict(raw_model.config),
+                        "optimizer": optim_state, "loader": loader.state_dict(), "rng": rng_state(),
+                        "config": OmegaConf.to_container(cfg, resolve=True), "model_group": model_group,
+                        "wandb_id": metrics.wandb_id}
+            last_ckpt = save_checkpoint(out_dir, at_step, contents, cfg.train.keep_last)
         if dist_info.world > 1:
             dist.barrier()
 
@@ -429,35 +503,38 @@ def train(cfg):
                 print(f"interrupted at step {step}: saved {last_ckpt}; resume with train.resume=auto")
             del model                  # DDP's reducer must die before its process group (gloo deadlock)
             dist_info.close()
-            raise SystemExit(130)
+            raise SystemExit(stop.exit_code)
     bar.close()
     if dist_info.master:
         print_summary(step, tokens_per_step, time.perf_counter() - t_start, summary, last_ckpt, out_dir)
         if cfg.train.sample_tokens:   # FSDP holds shards only: sample from the saved checkpoint
-            sampler = GPT.from_checkpoint(last_ckpt, device) if fsdp else raw_model
+            sampler = model_from_checkpoint(load_checkpoint(last_ckpt)[1], device) if fsdp else raw_model
             print_sample(sampler.eval(), cfg, device)
         metrics.close()
     del model                          # DDP's reducer must die before its process group (gloo deadlock)
     dist_info.close()
 
 
-def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
-    """Final lines of a run, and loss.png in the run dir."""
-    plot = plot_runs([out_dir], os.path.join(out_dir, "loss.png"))
-    parts = [f"{step} steps", f"{step * tokens_per_step:,} tokens", f"{seconds / 60:.1f} min"]
-    if "loss" in summary:
-        parts += [f"train loss {summary['loss']:.4f}", f"{summary['tok_per_s']:,.0f} tok/s"]
-    if summary.get("mfu") is not None:
-        parts.append(f"MFU {summary['mfu']:.1%}")
-    if "val_loss" in summary:
-        parts.append(f"val loss {summary['val_loss']:.4f}")
-    print("done: " + " | ".join(parts) + f"\ncheckpoint: {last_ckpt}\nloss curve: {plot}")
+def prepare_run_dir(cfg, out_dir, step, resumed_here):
+    """Rank 0, holding the lock, once the run is known to start: clear what killed writers left,
+    move an earlier run (train.if_exists=archive) or checkpoints newer than the resumed step out of
+    the way, drop metrics past the step, save the config."""
+    remove_stale_temp_files(out_dir)
+    if resumed_here:
+        archive_newer_checkpoints(out_dir, step)
+    elif checkpoint_files(out_dir):         # resume_checkpoint let a fresh run in: if_exists=archive
+        archive_earlier_run(out_dir)
+    drop_records_after(os.path.join(out_dir, "metrics.jsonl"), step)
+    atomic_write(os.path.join(out_dir, "config.yaml"), lambda f: f.write(OmegaConf.to_yaml(cfg, resolve=True).encode()))
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="config")
+@entry_point("config")
 def main(cfg):
+    hydra_cfg = HydraConfig.get()
+    check_train_options(cfg)
+    cfg.train.out_dir = cfg.train.out_dir     # resolved now: it names the model the command line chose
     with prefer_sdpa_backend(cfg.train.sdpa_backend):
-        train(cfg)
+        train(cfg, list(hydra_cfg.overrides.task), hydra_cfg.runtime.choices.model)
 
 
 if __name__ == "__main__":

@@ -12,10 +12,8 @@ With a process group of p > 1 ranks, `new_cache` splits every layer's cache alon
 axis over the ranks (tree attention, kernels/tree.py): every rank runs the same tokens, stores the
 positions it owns and merges its partial attention with the others' exactly (`GPT.new_cache`).
 """
-import glob
 import math
-import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
@@ -27,12 +25,11 @@ from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
 from kernels.sdpa import decode_sdpa
 from kernels.tree import castle_bias, castle_update, fox_bias, mask_bias, tree_decode
 
-CHECKPOINT_FORMAT = "attn-lm-checkpoint-v1"
-
 
 @dataclass
 class GPTConfig:
     vocab_size: int = 50304          # GPT-2's 50257 padded to a multiple of 64
+    tokenizer_vocab_size: int | None = None  # ids the tokenizer decodes (< vocab_size); None: all
     block_size: int = 1024           # training context length
     n_layer: int = 12
     n_head: int = 12
@@ -682,31 +679,6 @@ class GPT(nn.Module):
                                         use_cache, group, prefill_chunk))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
-    # ------------------------------------------------------------------------- checkpoints
-
-    @classmethod
-    def from_checkpoint(cls, path_or_ckpt, device="cpu"):
-        """Load a model written by train.py: a checkpoint file, a run directory (its latest
-        checkpoint) or an already loaded checkpoint dict."""
-        ckpt = path_or_ckpt if isinstance(path_or_ckpt, dict) else load_checkpoint(path_or_ckpt, "cpu")
-        model = cls(GPTConfig.from_dict(ckpt["model_config"]))
-        model.load_state_dict(strip_compile_prefix(ckpt["model"]))
-        return model.to(device)
-
-
-def load_model(path, device="auto", dtype="auto"):
-    """Checkpoint -> (uncompiled eval-mode model, its training config dict, device).
-
-    device auto: CUDA when present; dtype auto: bf16 weights on CUDA, fp32 on CPU.
-    """
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else torch.device(device)
-    if dtype not in ("auto", "bf16", "fp32"):
-        raise ValueError(f"dtype={dtype!r}; choose auto, bf16 or fp32")
-    use_bf16 = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
-    ckpt = load_checkpoint(path, "cpu")
-    model = GPT.from_checkpoint(ckpt).to(device, dtype=torch.bfloat16 if use_bf16 else torch.float32)
-    return model.eval(), ckpt["config"], device
-
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None):
     """(B, V) logits -> (B,) tokens. temperature 0 = argmax; top-k then nucleus (top-p) filtering."""
@@ -724,45 +696,3 @@ def sample_token(logits, temperature=1.0, top_k=None, top_p=None):
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     return torch.multinomial(logits.softmax(dim=-1), num_samples=1).squeeze(-1)
-
-
-# ----------------------------------------------------------------------------- checkpoint files
-
-def checkpoint_files(run_dir):
-    """Checkpoints in a run directory, oldest first (names ckpt_<step>.pt)."""
-    files = glob.glob(os.path.join(run_dir, "ckpt_*.pt"))
-    return sorted(files, key=lambda f: int(os.path.basename(f)[5:-3]))
-
-
-def find_checkpoint(path):
-    """A checkpoint file, or the latest one in a run directory; clear error when there is none."""
-    if os.path.isfile(path):
-        return path
-    if os.path.isdir(path):
-        files = checkpoint_files(path)
-        if files:
-            return files[-1]
-        raise FileNotFoundError(f"no checkpoint (ckpt_<step>.pt) in run directory {path!r}; "
-                                "train first with `python train.py train.out_dir=...`")
-    raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass ckpt=RUN_DIR or ckpt=FILE.pt")
-
-
-def load_checkpoint(path, map_location="cpu"):
-    path = find_checkpoint(path)
-    try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=False)
-    except Exception as e:
-        raise ValueError(f"{path} is not a readable checkpoint ({e})") from e
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{path} was not written by this repo's train.py (expected format "
-                         f"{CHECKPOINT_FORMAT!r}); convert it or pass a checkpoint from train.py")
-    return ckpt
-
-
-def strip_compile_prefix(state_dict):
-    """torch.compile wraps the model; its state-dict keys carry `_orig_mod.`."""
-    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
-
-
-def config_dict(config: GPTConfig):
-    return asdict(config)

@@ -1,52 +1,10 @@
 """Loss curves of one or more training runs (their metrics.jsonl) in one PNG.
 
-    python scripts/plot_runs.py runs/baseline-4x128 runs/castle-4x128 --out curves.png
-
-train.py calls `plot_runs([out_dir], out_dir/loss.png)` at the end of every run.
+    python -m scripts.plot_runs runs/llama-4x128-sample runs/castle-4x128-sample --out curves.png
 """
 import argparse
-import json
-import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-
-def read_metrics(run_dir):
-    """(train [(tokens, loss)], val [(tokens, val_loss)]) of a run directory."""
-    train, val, tokens_at = [], [], {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for record in map(json.loads, f):
-            if "loss" in record:
-                tokens_at[record["step"]] = record["tokens"]
-                train.append((record["tokens"], record["loss"]))
-            if "val_loss" in record:
-                val.append((record["step"], record["val_loss"]))
-    # validation records carry the step only; place them at that step's token count
-    val = [(tokens_at.get(step, step), loss) for step, loss in val]
-    return train, val
-
-
-def plot_runs(run_dirs, out_path):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, run_dir in enumerate(run_dirs):
-        train, val = read_metrics(run_dir)
-        name = os.path.basename(os.path.normpath(run_dir))
-        color = f"C{i}"
-        if train:
-            ax.plot(*zip(*train), color=color, alpha=0.6, label=f"{name} train")
-        if val:
-            ax.plot(*zip(*val), "o-", color=color, label=f"{name} val")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_path, dpi=120)
-    plt.close(fig)
-    return out_path
+from evaluation.plots import plot_runs
 
 
 def main():

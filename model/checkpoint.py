@@ -1,0 +1,399 @@
+"""Checkpoints and run directories: names, discovery, atomic writes, rotation, recovery, and the lock
+that keeps two training runs out of one directory. train.py writes through this module; sample.py,
+eval.py and the scripts load through it.
+
+A run directory (train.out_dir) holds `ckpt_<step>.pt` checkpoints, metrics.jsonl, config.yaml,
+loss.png, `.lock` while a run uses it, and `archive/` (files moved out of the way, never deleted).
+A checkpoint is a file of exactly that name in the top level: `ckpt_6_backup.pt`, `ckpt_3.pt.tmp` or
+anything in a subdirectory is not one, and nothing here reads, moves or deletes it.
+
+Policy:
+- Atomic writes: a file is written to `<name>.tmp` beside it, fsynced, renamed over the target, and
+  the directory fsynced, so a checkpoint is complete or absent whenever the process dies. A failed
+  write (a full disk included) removes its temp file; a full disk is reported with the directory,
+  the bytes needed and the bytes free. A training run removes the temp files of the names it
+  writes (TEMP_NAME) when it starts: they can only be a killed writer's, since it holds the lock.
+- Discovery: a run directory's checkpoint is its newest *readable* one by step; newer files that do
+  not load are skipped with a warning naming each, never deleted. A file that does not load is
+  reported together with the newest readable checkpoint beside it.
+- Resume from step S: checkpoints newer than S in the run directory (the unreadable ones discovery
+  skipped, or a later state the user chose to go back from) are moved into
+  `archive/<time>-after-step-S/` before training. Then the rotation cannot delete them, the run
+  does not overwrite them when it reaches their step again, and "newest" means this run's latest.
+- Rotation after writing step S keeps S and the newest keep_last - 1 readable older checkpoints and
+  deletes the other older ones; it never deletes S or anything newer than S.
+- A fresh run refuses a directory that holds checkpoints (train.py: unless train.if_exists=archive,
+  which first moves every file of the earlier run into `archive/<time>-earlier-run/`).
+- Lock: a training run holds `.lock` (its pid and host, created with O_CREAT | O_EXCL) while it
+  runs. Another run on the same directory refuses, naming the holder. A lock whose process is gone
+  (on this host) is taken over with a warning; one held from another host is only reported.
+"""
+import contextlib
+import json
+import os
+import re
+import shutil
+import socket
+import sys
+import time
+from dataclasses import asdict
+
+import torch
+
+from data.tokenizer import tokenizer_for
+from model.gpt import GPT, GPTConfig
+from model.runtime import DISK_FULL_ERRNOS, choose_device, choose_dtype
+
+CHECKPOINT_FORMAT = "attn-lm-checkpoint-v1"
+CHECKPOINT_NAME = re.compile(r"ckpt_(\d+)\.pt")
+TEMP_NAME = re.compile(r"(ckpt_\d+\.pt|metrics\.jsonl|config\.yaml|loss\.png)\.tmp")
+LOCK_NAME = ".lock"
+ARCHIVE_DIR = "archive"
+
+
+class UnreadableCheckpoint(ValueError):
+    """A file that torch.load cannot read, or that train.py did not write."""
+
+
+class RunDirectoryLocked(ValueError):
+    """Another training run holds the run directory."""
+
+
+class DiskFullError(OSError):
+    """A write failed for lack of space; the message names the directory and the bytes."""
+
+
+def warn(message):
+    print(f"warning: {message}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- names, discovery
+
+def checkpoint_path(run_dir, step):
+    return os.path.join(run_dir, f"ckpt_{step}.pt")
+
+
+def checkpoint_step(path):
+    """The step of a checkpoint file name, or None for any other name."""
+    match = CHECKPOINT_NAME.fullmatch(os.path.basename(path))
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_files(run_dir):
+    """The checkpoints in a run directory, oldest first (not checked for readability)."""
+    if not os.path.isdir(run_dir):
+        return []
+    named = [(checkpoint_step(name), name) for name in os.listdir(run_dir)]
+    return [os.path.join(run_dir, name) for step, name in sorted(n for n in named if n[0] is not None)
+            if os.path.isfile(os.path.join(run_dir, name))]
+
+
+def read_checkpoint(path, mmap=False):
+    """The checkpoint dict in `path` (tensors on the CPU; mmap: mapped, not read, which makes a cheap
+    readability check). Raises UnreadableCheckpoint saying why it is not one."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+    except Exception as e:
+        raise UnreadableCheckpoint(f"{path} is not a readable checkpoint ({' '.join(str(e).split())[:200]})") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise UnreadableCheckpoint(f"{path} was not written by this repo's train.py (expected format "
+                                   f"{CHECKPOINT_FORMAT!r}); convert it or pass a checkpoint from train.py")
+    return ckpt
+
+
+def is_readable(path):
+    try:
+        read_checkpoint(path, mmap=True)
+    except UnreadableCheckpoint:
+        return False
+    return True
+
+
+def load_checkpoint(path):
+    """(file, checkpoint dict): a checkpoint file, or a run directory's newest readable checkpoint
+    (warning about each newer one skipped)."""
+    if os.path.isdir(path):
+        files = checkpoint_files(path)
+        if not files:
+            raise FileNotFoundError(f"no checkpoint (ckpt_<step>.pt) in run directory {path!r}; "
+                                    f"train first with `python train.py train.out_dir={path}`")
+        for file in reversed(files):
+            try:
+                return file, read_checkpoint(file)
+            except UnreadableCheckpoint as e:
+                warn(f"skipping {e}")
+        raise UnreadableCheckpoint(f"no checkpoint in {path} is readable ({', '.join(map(os.path.basename, files))}); "
+                                   "move them away and train again, or pass a checkpoint from elsewhere")
+    if os.path.isfile(path):
+        try:
+            return path, read_checkpoint(path)
+        except UnreadableCheckpoint as e:
+            others = [f for f in checkpoint_files(os.path.dirname(path) or ".") if not os.path.samefile(f, path)]
+            good = next((f for f in reversed(others) if is_readable(f)), None)
+            hint = f"the newest readable checkpoint beside it is {good}" if good else "no checkpoint beside it is readable"
+            raise UnreadableCheckpoint(f"{e}; {hint}") from e
+    raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a run directory or a ckpt_<step>.pt file")
+
+
+# ----------------------------------------------------------------------------- model <-> checkpoint
+
+def config_dict(config: GPTConfig):
+    return asdict(config)
+
+
+def saved_model_config(ckpt):
+    """The checkpoint's GPTConfig fields; tokenizer_vocab_size, which older checkpoints lack, comes
+    from the tokenizer of the checkpoint's data config."""
+    config = dict(ckpt["model_config"])
+    if config.get("tokenizer_vocab_size") is None:
+        config["tokenizer_vocab_size"] = tokenizer_for(ckpt["config"]["data"]).n_vocab
+    return config
+
+
+def strip_compile_prefix(state_dict):
+    """torch.compile wraps the model; its state-dict keys carry `_orig_mod.`."""
+    return {k.replace("_orig_mod.", ""): v for k, v in state_dict.items()}
+
+
+def model_from_checkpoint(ckpt, device="cpu"):
+    """The GPT of a loaded checkpoint dict, with its weights."""
+    model = GPT(GPTConfig.from_dict(saved_model_config(ckpt)))
+    model.load_state_dict(strip_compile_prefix(ckpt["model"]))
+    return model.to(device)
+
+
+def load_model(path, device="auto", dtype="auto"):
+    """Run directory or checkpoint file -> (uncompiled eval-mode model, its training config dict,
+    device, checkpoint file). device auto: CUDA when present; dtype auto: bf16 weights on CUDA,
+    fp32 elsewhere."""
+    device = choose_device(device) if isinstance(device, str) else device
+    dtype = choose_dtype(dtype, device)
+    file, ckpt = load_checkpoint(path)
+    model = model_from_checkpoint(ckpt).to(device, dtype=dtype)
+    return model.eval(), ckpt["config"], device, file
+
+
+# ----------------------------------------------------------------------------- atomic writes
+
+def atomic_write(path, write, needed_bytes=None):
+    """Write `path` through `write(binary file)` so that it is complete or absent: a temp file
+    beside it, fsync, rename over `path`, fsync of the directory. On failure the temp file is
+    removed; a full disk raises DiskFullError (before writing when `needed_bytes` cannot fit)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(directory).free
+    if needed_bytes is not None and needed_bytes > free:
+        raise disk_full(path, needed_bytes, free, "not enough free space")
+    tmp = path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        cause = disk_full_cause(e)
+        if cause is not None:
+            raise disk_full(path, needed_bytes, shutil.disk_usage(directory).free, cause.strerror) from e
+        raise
+    fsync_directory(directory)
+
+
+def disk_full_cause(error):
+    """The OSError saying the disk (or the file-size limit) is full behind `error` (torch.save
+    reports it as a RuntimeError whose context is the OSError), or None."""
+    while error is not None:
+        if isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def disk_full(path, needed_bytes, free, reason):
+    need = f"needs about {needed_bytes / 1e6:,.1f} MB, " if needed_bytes else ""
+    error = DiskFullError(f"could not write {path}: {reason} ({need}{free / 1e6:,.1f} MB free in "
+                          f"{os.path.dirname(os.path.abspath(path))}); free space there or write elsewhere")
+    error.errno = 28
+    return error
+
+
+def fsync_directory(directory):
+    """Make a rename in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def tensor_bytes(obj):
+    """Bytes of every tensor in a nested dict/list: the least a checkpoint of it takes on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+# ----------------------------------------------------------------------------- save, rotate
+
+def save_checkpoint(run_dir, step, contents, keep_last):
+    """Write ckpt_<step>.pt atomically, then rotate; -> its path."""
+    path = checkpoint_path(run_dir, step)
+    ckpt = {"format": CHECKPOINT_FORMAT, "step": step, **contents}
+    atomic_write(path, lambda f: torch.save(ckpt, f), needed_bytes=tensor_bytes(ckpt))
+    rotate(run_dir, step, keep_last)
+    return path
+
+
+def rotate(run_dir, step, keep_last):
+    """Keep checkpoint `step` and the newest keep_last - 1 readable older ones; delete the other
+    older ones. Newer checkpoints are never touched."""
+    kept = 1
+    for file in reversed(checkpoint_files(run_dir)):
+        if checkpoint_step(file) >= step:
+            continue
+        if kept < keep_last and is_readable(file):
+            kept += 1
+        else:
+            os.remove(file)
+
+
+# ----------------------------------------------------------------------------- recovery at start
+
+def remove_stale_temp_files(run_dir):
+    """Delete the temp files a killed writer left (only the names a training run writes)."""
+    for name in sorted(os.listdir(run_dir)):
+        if TEMP_NAME.fullmatch(name):
+            os.remove(os.path.join(run_dir, name))
+            warn(f"removed {os.path.join(run_dir, name)}, left by an interrupted write")
+
+
+def archive(run_dir, names, why):
+    """Move `names` (top-level entries of run_dir) into a new archive/<time>-<why>/; -> its path."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    dest = os.path.join(run_dir, ARCHIVE_DIR, f"{stamp}-{why}")
+    n = 1
+    while os.path.exists(dest):
+        n += 1
+        dest = os.path.join(run_dir, ARCHIVE_DIR, f"{stamp}-{why}-{n}")
+    os.makedirs(dest)
+    for name in names:
+        os.replace(os.path.join(run_dir, name), os.path.join(dest, name))
+    fsync_directory(run_dir)
+    return dest
+
+
+def archive_newer_checkpoints(run_dir, step):
+    """Move checkpoints newer than `step` (the one a run resumes from) out of its way."""
+    newer = [os.path.basename(f) for f in checkpoint_files(run_dir) if checkpoint_step(f) > step]
+    if newer:
+        dest = archive(run_dir, newer, f"after-step-{step}")
+        warn(f"moved {', '.join(newer)} (newer than the resumed step {step}) to {dest}")
+
+
+def archive_earlier_run(run_dir):
+    """Move every file of an earlier run (all but the lock and the archive) into the archive."""
+    names = [n for n in sorted(os.listdir(run_dir)) if n not in (LOCK_NAME, ARCHIVE_DIR)]
+    if names:
+        dest = archive(run_dir, names, "earlier-run")
+        print(f"moved the earlier run's {', '.join(names)} to {dest}")
+
+
+# ----------------------------------------------------------------------------- lock
+
+class RunLock:
+    """`.lock` in a run directory: {"pid", "host"} of the one training run that uses it."""
+
+    def __init__(self, run_dir):
+        self.path = os.path.join(run_dir, LOCK_NAME)
+        self.me = {"pid": os.getpid(), "host": socket.gethostname()}
+        self.held = False
+
+    def acquire(self):
+        for _ in range(3):        # a lock that vanishes or goes stale between two looks: try again
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self.holder()
+                if holder is None:
+                    continue
+                if not self.is_stale(holder):
+                    raise RunDirectoryLocked(self.busy_message(holder)) from None
+                warn(f"taking over {self.path}: its run (pid {holder.get('pid')} on {holder.get('host')}) is gone")
+                self.remove_if(holder)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self.held = True
+            return
+        raise RunDirectoryLocked(f"could not take the lock {self.path}; try again")
+
+    def release(self):
+        if self.held:
+            self.remove_if(self.me)
+            self.held = False
+
+    def holder(self):
+        """The lock's content; None when the file is gone; {} when it does not parse."""
+        try:
+            with open(self.path) as f:
+                content = f.read()
+        except FileNotFoundError:
+            return None
+        try:
+            holder = json.loads(content)
+        except json.JSONDecodeError:
+            return {}
+        return holder if isinstance(holder, dict) else {}
+
+    def is_stale(self, holder):
+        """The holder ran on this host and its process is gone."""
+        if holder.get("host") != self.me["host"] or not isinstance(holder.get("pid"), int):
+            return False
+        if holder["pid"] == self.me["pid"]:
+            return True
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def remove_if(self, holder):
+        """Remove the lock file if it still names `holder`."""
+        if self.holder() == holder:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self.path)
+
+    def busy_message(self, holder):
+        run_dir = os.path.dirname(self.path)
+        if not holder:
+            return (f"{run_dir} is locked by {self.path}, which names no process; if no training run uses "
+                    f"this directory, delete {self.path}")
+        who = f"pid {holder.get('pid')} on host {holder.get('host')}"
+        fix = (f"wait for it to finish or stop it, or use another train.out_dir" if holder.get("host") == self.me["host"]
+               else f"if that run is gone, delete {self.path}; or use another train.out_dir")
+        return f"{run_dir} is in use by another training run ({who}); {fix}"
+
+
+@contextlib.contextmanager
+def locked_run_dir(run_dir):
+    """Create run_dir if needed and hold its lock; on exit release it, and remove run_dir again if
+    this call created it and nothing was written there (a run that failed to start)."""
+    created = not os.path.exists(run_dir)
+    os.makedirs(run_dir, exist_ok=True)
+    lock = RunLock(run_dir)
+    try:
+        lock.acquire()
+        yield lock
+    finally:
+        lock.release()
+        if created and not os.listdir(run_dir):
+            os.rmdir(run_dir)

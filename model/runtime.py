@@ -1,0 +1,258 @@
+"""What every entry point shares to run: the device and dtype choice, the process group (`Dist`),
+autocast, up-front checks of option values, and the Hydra wrapper that turns bad input into one
+line on stderr and exit code 2.
+
+Exit codes of train.py, sample.py and eval.py: 0 done; 2 bad input or a refused request (one
+line, no traceback); 1 a disk that is full (one line) or a bug (traceback); 130 Ctrl-C (SIGINT);
+143 SIGTERM. `HYDRA_FULL_ERROR=1` shows the traceback of every error.
+"""
+import contextlib
+import functools
+import os
+import re
+import sys
+import typing
+from typing import Callable, NamedTuple
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.errors import HydraException
+from omegaconf.errors import MissingMandatoryValue
+
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+# What bad input raises (GPTConfig, the data loader, the option checks below, missing files, a
+# config value left `???`): printed as one line, exit 2.
+USER_ERRORS = (ValueError, FileNotFoundError, MissingMandatoryValue)
+DISK_FULL_ERRNOS = {28, 122, 27}      # ENOSPC, EDQUOT, EFBIG
+
+
+# ----------------------------------------------------------------------------- device, dtype
+
+def choose_device(name="auto", local_rank=0):
+    """auto: this local rank's CUDA device when CUDA is visible, else the CPU."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        return torch.device("cuda", local_rank)
+    return torch.device(name)
+
+
+def choose_dtype(name, device):
+    """auto: bf16 on CUDA, fp32 elsewhere (autocast for training, the weights for inference)."""
+    if name not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"dtype={name!r}; choose auto, bf16 or fp32")
+    if name == "bf16" or (name == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def autocast_context(device, dtype):
+    """bf16 autocast for a bf16 choice; fp32 runs as written."""
+    if dtype == torch.bfloat16:
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Dist:
+    """Rank, world size and device of this process; a process group when launched by torchrun
+    (NCCL on GPUs, gloo on CPU; one GPU per local rank)."""
+
+    def __init__(self, device_cfg="auto"):
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank = int(os.environ.get("RANK", 0))
+        self.device = choose_device(device_cfg, int(os.environ.get("LOCAL_RANK", 0)))
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        if self.world > 1:
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.master = self.rank == 0
+
+    def mean(self, value):
+        """Mean of a float over ranks."""
+        if self.world == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+    def any(self, flag):
+        """True on every rank when the flag is set on any rank."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item() > 0
+
+    def close(self):
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- option checks
+
+class Rule(NamedTuple):
+    ok: Callable[[object], bool]
+    expected: str
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def integer(low=None):
+    return Rule(lambda v: _is_int(v) and (low is None or v >= low),
+                "an integer" + (f" >= {low}" if low is not None else ""))
+
+
+def number(low=None, high=None, *, above=None):
+    """A float or int in [low, high]; `above`: strictly greater than it."""
+    def ok(v):
+        return (_is_number(v) and (low is None or v >= low) and (high is None or v <= high)
+                and (above is None or v > above))
+    bounds = [f"{op} {x}" for op, x in ((">", above), (">=", low), ("<=", high)) if x is not None]
+    return Rule(ok, "a number" + (" " + " and ".join(bounds) if bounds else ""))
+
+
+def one_of(*choices):
+    """Exactly one of these values (true is not 1)."""
+    return Rule(lambda v: any(v == c and type(v) is type(c) for c in choices),
+                "one of " + ", ".join(str(c).lower() if isinstance(c, bool) else str(c) for c in choices))
+
+
+def text(nonempty=True):
+    return Rule(lambda v: isinstance(v, str) and (v != "" or not nonempty),
+                "a non-empty string" if nonempty else "a string")
+
+
+def boolean():
+    return Rule(lambda v: isinstance(v, bool), "true or false")
+
+
+def optional(rule):
+    return Rule(lambda v: v is None or rule.ok(v), rule.expected + ", or null")
+
+
+def pair(rule):
+    return Rule(lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(rule.ok(x) for x in v),
+                f"two values [a, b], each {rule.expected}")
+
+
+def _is_device_name(v):
+    if v == "auto":
+        return True
+    try:
+        torch.device(v)
+    except (RuntimeError, TypeError):
+        return False
+    return isinstance(v, str)
+
+
+DEVICE = Rule(_is_device_name, "auto, cpu, cuda or cuda:N")
+
+
+def check_options(values, rules):
+    """Raise ValueError naming the first option whose value breaks its rule.
+
+    values: {dotted option name: value} (plain Python values); rules: {dotted option name: Rule}."""
+    for key, rule in rules.items():
+        value = values[key]
+        if not rule.ok(value):
+            raise ValueError(f"{key}={value!r} is not valid: expected {rule.expected}")
+
+
+def check_dataclass_types(cls, values, prefix):
+    """Raise ValueError naming the first key of `values` whose type does not fit the dataclass field
+    (`int | None`, `float` also takes an int, `bool` takes only true/false)."""
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        allowed = typing.get_args(hints[key]) or (hints[key],)
+        fits = any(value is None if t is type(None) else
+                   isinstance(value, bool) if t is bool else
+                   _is_number(value) if t is float else
+                   _is_int(value) if t is int else isinstance(value, t) for t in allowed)
+        if not fits:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise ValueError(f"{prefix}{key}={value!r} is not valid: expected {names}")
+
+
+# ----------------------------------------------------------------------------- entry points
+
+def entry_point(config_name, literal_keys=()):
+    """Decorator: run the task function as a Hydra app on configs/<config_name>.yaml.
+
+    Bad input (USER_ERRORS, and Hydra's own errors for unknown groups, keys or override syntax)
+    prints `<script>: error: <message>` as one line and exits 2; a full disk prints one line and
+    exits 1; anything else is a bug and keeps its traceback. `literal_keys`: options whose
+    command-line value is taken as literal text (Unicode, quotes, commas, `${`), without Hydra's
+    quoting rules."""
+    def decorate(task):
+        @functools.wraps(task)
+        def job(cfg):
+            try:
+                return task(cfg)
+            except USER_ERRORS as e:
+                fail(e, 2)
+            except OSError as e:
+                if e.errno not in DISK_FULL_ERRNOS:
+                    raise
+                fail(e, 1)
+            except KeyboardInterrupt:
+                raise SystemExit(130) from None
+
+        hydra_job = hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name=config_name)(job)
+
+        @functools.wraps(task)
+        def main():
+            sys.argv[1:] = [quote_literal(arg, literal_keys) for arg in sys.argv[1:]]
+            with _hydra_raises():
+                try:
+                    hydra_job()
+                except HydraException as e:
+                    fail(e, 2)
+        return main
+    return decorate
+
+
+def fail(error, code):
+    """One line on stderr, then exit `code`; with HYDRA_FULL_ERROR=1 the error keeps its traceback."""
+    if _FULL_ERROR:
+        raise error
+    script = os.path.basename(sys.argv[0])
+    print(f"{script}: error: {' '.join(str(error).split())}", file=sys.stderr)
+    raise SystemExit(code) from None
+
+
+_FULL_ERROR = os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+@contextlib.contextmanager
+def _hydra_raises():
+    """Hydra prints its own short traceback and exits 1 for every error, unless HYDRA_FULL_ERROR
+    is set: then it raises, and `entry_point` decides how each error is reported."""
+    old = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["HYDRA_FULL_ERROR"]
+        else:
+            os.environ["HYDRA_FULL_ERROR"] = old
+
+
+def quote_literal(arg, keys):
+    """`key=value` -> `key='value'` quoted for Hydra so that the value arrives unchanged: quotes and
+    backslashes before them escaped, `${` kept from interpolating."""
+    key, sep, value = arg.partition("=")
+    if not sep or key not in keys:
+        return arg
+    value = re.sub(r"(\\*)\$\{", lambda m: m.group(1) * 2 + "\\${", value)
+    value = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    value = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, value)
+    return f"{key}='{value}'"
