@@ -1,7 +1,7 @@
 """Multi-GPU scaling of train.py: tokens/s and loss curves on 1, 2, 4 ... GPUs, DDP and FSDP2, at one
 global batch (so every run sees the same tokens per optimizer step and should follow the same curve).
 
-    python scripts/bench_scaling.py --gpus 1 2 4 --parallel ddp fsdp --steps 20 --out runs/scaling -- \\
+    python -m scripts.bench_scaling --gpus 1 2 4 --parallel ddp fsdp --steps 20 --out runs/scaling -- \\
         experiment=baseline_paper_M data=text data.dir=.gpu_data/text train.micro_batch_size=16
 
 Arguments after `--` go to every train.py run. The global batch defaults to max(gpus) x micro-batch x
@@ -17,15 +17,16 @@ import statistics
 import subprocess
 import sys
 
+from scripts.bench_train import compose_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from scripts.bench_train import compose_config  # noqa: E402
 
 
 def run_train(n, parallel, args, extra, out_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            os.path.join(ROOT, "train.py"), *extra, f"train.out_dir={out_dir}", f"train.parallel={parallel}",
            f"train.max_steps={args.steps}", "train.log_interval=1", "train.resume=never",
+           "train.if_exists=archive",
            f"train.eval_interval={10 * args.steps}", f"train.ckpt_interval={10 * args.steps}",
            "train.sample_tokens=0", f"train.global_batch_tokens={args.global_batch_tokens}"]
     print("$", " ".join(cmd[2:]), flush=True)

@@ -1,8 +1,8 @@
 """Per-token decode latency of a whole small model with every layer's cache sharded over N ranks.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=4 scripts/bench_sharded_decode.py \
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=4 -m scripts.bench_sharded_decode \
         --attention baseline,fox,castle --ctx 131072,1048576 --n-layer 4 --n-embd 2048 --n-head 16
-    torchrun --nproc_per_node=2 scripts/bench_sharded_decode.py --device cpu --ctx 4096 ...  # gloo
+    torchrun --nproc_per_node=2 -m scripts.bench_sharded_decode --device cpu --ctx 4096 ...  # gloo
 
 N = 1 (plain `python`, or torchrun with one process) is the single-device model: GPT.new_cache
 then keeps the unsharded caches (SDPA / forgetting_decode / castle_decode). With N > 1 every
@@ -38,8 +38,6 @@ import time
 import torch
 import torch.distributed as dist
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 from kernels import castle
 from model.gpt import (
     GPT,
@@ -49,7 +47,7 @@ from model.gpt import (
     ShardedCastleCache,
     SoftmaxCache,
 )
-from train import Dist  # noqa: E402
+from model.runtime import Dist, choose_device, choose_dtype
 
 VARIANTS = ("baseline", "fox", "castle", "castle_swl")
 PRO = dict(qk_norm=True, kv_shift=True, output_gate=True, output_norm=True)
@@ -407,15 +405,10 @@ def table(rows):
 
 
 def resolve(args):
-    """(device, dtype) from the options (the device may still be refined per local rank)."""
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.dtype == "auto":
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    else:
-        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}[args.dtype]
-    return device, dtype
+    """(device type, dtype) from the options (Dist picks each local rank's device of that type)."""
+    device = choose_device(args.device)
+    dtype = torch.float64 if args.dtype == "fp64" else choose_dtype(args.dtype, device)
+    return device.type, dtype
 
 
 def main(argv=None):
@@ -428,7 +421,7 @@ def main(argv=None):
     world = dist.get_world_size(group) if group is not None else 1
     if rank == 0:
         env = f"NCCL_NVLS_ENABLE={os.environ.get('NCCL_NVLS_ENABLE', '(unset)')} " if device.type == "cuda" else ""
-        print(f"command: {env}torchrun --nproc_per_node={world} scripts/bench_sharded_decode.py "
+        print(f"command: {env}torchrun --nproc_per_node={world} -m scripts.bench_sharded_decode "
               + " ".join(sys.argv[1:] if argv is None else argv))
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({os.cpu_count()} cores)"
         backend = dist.get_backend(group) if group is not None else "none"

@@ -1,12 +1,12 @@
 """Training throughput of every variant: tokens/s, MFU and peak memory for one optimizer step
 (forward, backward, AdamW) on one GPU, bf16 autocast, torch.compile.
 
-    python scripts/bench_train.py                                   # the issue's table on one GPU
-    python scripts/bench_train.py --models baseline_paper_S castle_paper_S --steps 20
-    python scripts/bench_train.py --models baseline_paper_S --override model.mlp_multiple_of=64
-    python scripts/bench_train.py --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
-    python scripts/bench_train.py --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
-    python scripts/bench_train.py --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
+    python -m scripts.bench_train                                   # the issue's table on one GPU
+    python -m scripts.bench_train --models baseline_paper_S castle_paper_S --steps 20
+    python -m scripts.bench_train --models baseline_paper_S --override model.mlp_multiple_of=64
+    python -m scripts.bench_train --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
+    python -m scripts.bench_train --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
+    python -m scripts.bench_train --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
 
 Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
 overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
@@ -30,10 +30,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch._dynamo.utils import counters
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from kernels.sdpa import prefer_sdpa_backend  # noqa: E402
-from model.gpt import GPT, GPTConfig  # noqa: E402
+from kernels.sdpa import prefer_sdpa_backend
+from model.gpt import GPT, GPTConfig
+from model.runtime import CONFIG_DIR
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
                   "castle_paper_M", "castle_swl_paper_M", "transformer_llama_125M", "fox_llama_125M",
@@ -42,7 +41,7 @@ DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "b
 
 def compose_config(overrides):
     """The resolved train.py config (configs/config.yaml) under these Hydra overrides."""
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
 
 
@@ -181,7 +180,7 @@ def main():
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    print(f"command: python scripts/bench_train.py {' '.join(sys.argv[1:])}")
+    print(f"command: python -m scripts.bench_train {' '.join(sys.argv[1:])}")
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |"
           + (" tokens/s range | vs the first model |" if alternate else ""))

@@ -1,18 +1,15 @@
 """Overlay the per-token loss L(i) of several checkpoints (FoX Fig. 2) and print their P(l).
 
-    python scripts/plot_long_context.py runs/fox-llama runs/transformer-llama --out long_context.png
-    python scripts/plot_long_context.py a/long_context.csv b/long_context.csv --labels FoX Transformer --smooth 1001
+    python -m scripts.plot_long_context runs/fox-llama runs/transformer-llama --out long_context.png
+    python -m scripts.plot_long_context a/long_context.csv b/long_context.csv --labels FoX Transformer --smooth 1001
 
 Each argument is a run directory, or the long_context.csv in it, written by
 `python eval.py ckpt=RUN eval.tasks=[long_context]`. P(l) comes from the unsmoothed L(i).
 """
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evaluation.long_context import perplexity_by_length, plot_curves, read_csv  # noqa: E402
+from evaluation.long_context import perplexity_by_length, plot_curves, read_csv
 
 
 def main():

@@ -1,7 +1,7 @@
 """Markdown tables comparing checkpoints in the papers' layout, from the results.json of each.
 
-    python scripts/plot_paper_tables.py runs/baseline-S runs/castle-S runs/castle_swl-S
-    python scripts/plot_paper_tables.py runs/*/results.json --preset castle
+    python -m scripts.plot_paper_tables runs/baseline-S runs/castle-S runs/castle_swl-S
+    python -m scripts.plot_paper_tables runs/*/results.json --preset castle
 
 One row per checkpoint (its run directory and attention). lm-eval tables follow the preset's
 columns (CASTLE Tables 2-3, FoX Tables 1-2): accuracies in %, perplexities as they are, "–" for a
@@ -10,12 +10,9 @@ task that was not run (then Avg is "–" too). Also: held-out loss (CASTLE Table
 """
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from evaluation.lm_eval_adapter import PRESETS  # noqa: E402
+from evaluation.lm_eval_adapter import PRESETS
 
 
 def load(path):

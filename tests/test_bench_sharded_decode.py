@@ -59,12 +59,12 @@ ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| (-|
 @pytest.mark.parametrize("world", [1, 2])
 def test_benchmark_prints_a_row_per_variant(world, tmp_path):
     out = tmp_path / "rows.json"
-    proc = run("scripts/bench_sharded_decode.py",
+    proc = run("scripts.bench_sharded_decode",
                TINY + ["--attention", "baseline,fox,castle,castle_swl", "--ctx", "64", "--steps", "2",
                        "--warmup", "1", "--check", "17", "--window", "5", "--out", str(out)],
                torchrun=world if world > 1 else 0)
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith(f"command: torchrun --nproc_per_node={world} scripts/bench_sharded_decode.py")
+    assert lines[0].startswith(f"command: torchrun --nproc_per_node={world} -m scripts.bench_sharded_decode")
     for name in ("baseline", "fox", "castle", "castle_swl"):   # the filling check (rank 0 prints)
         assert any(line.startswith(f"check {name}:") and line.endswith(" ok") for line in lines), proc.stdout
     rows = [m.groups() for m in map(ROW.match, lines) if m]

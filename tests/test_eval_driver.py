@@ -23,7 +23,8 @@ from data.tokenizer import get_tokenizer
 from evaluation import long_context, niah
 from evaluation.lm_eval_adapter import (GPTLM, PRESETS, data_root, paper_row, select_tasks,
                                         write_local_tasks)
-from model.gpt import ATTENTIONS, CHECKPOINT_FORMAT, GPT, GPTConfig, config_dict
+from model.checkpoint import CHECKPOINT_FORMAT, config_dict
+from model.gpt import ATTENTIONS, GPT, GPTConfig
 from tests.test_model import VARIANTS   # every attention variant and block style, in tiny form
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

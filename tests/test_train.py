@@ -21,12 +21,15 @@ TINY = ["size=tiny", "model.n_layer=2", "model.n_embd=64", "model.n_head=4", "mo
 
 
 def run(script, args, *, torchrun=0, check=True):
+    """An entry point (`train.py`) or a module (`scripts.bench_train`, run with -m) in a subprocess,
+    under torchrun with `torchrun` processes."""
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)
     args = [a for a in args if not a.startswith("WANDB_MODE")]
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
                  f"--nproc_per_node={torchrun}"] if torchrun else [sys.executable])
-    proc = subprocess.run(launcher + [script] + args, cwd=ROOT, env=env, capture_output=True, text=True,
+    target = [script] if script.endswith(".py") else ["-m", script]
+    proc = subprocess.run(launcher + target + args, cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -143,7 +146,7 @@ def test_nan_loss_stops_and_names_the_step(tmp_path):
 
 
 def test_training_benchmark_script_runs():
-    proc = run("scripts/bench_train.py", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
+    proc = run("scripts.bench_train", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
                                           "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile",
                                           "--profile", "3", "--sdpa-backend", "math"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny") or line.startswith("| castle")]
@@ -154,7 +157,7 @@ def test_training_benchmark_script_runs():
 def test_training_benchmark_rounds():
     """--rounds: both models stay resident and are timed in alternation; rows add the range of tokens/s and
     the ratio to the first model (exactly 1 for the first)."""
-    proc = run("scripts/bench_train.py", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
+    proc = run("scripts.bench_train", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
                                           "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile",
                                           "--rounds", "3", "--sdpa-backend", "math"])
     rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith(("| tiny", "| castle"))]
@@ -165,9 +168,9 @@ def test_training_benchmark_rounds():
 
 
 def test_scaling_benchmark_script_runs(tmp_path):
-    """scripts/bench_scaling.py under gloo: 1 and 2 ranks at one global batch follow the same curve."""
+    """scripts.bench_scaling under gloo: 1 and 2 ranks at one global batch follow the same curve."""
     args = ["--gpus", "1", "2", "--parallel", "ddp", "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--"]
-    proc = run("scripts/bench_scaling.py", args + [a for a in TINY if not a.startswith("train.log")])
+    proc = run("scripts.bench_scaling", args + [a for a in TINY if not a.startswith("train.log")])
     rows = {line.split("|")[1].strip(): line.split("|") for line in proc.stdout.splitlines()
             if line.startswith("| 1 GPU") or line.startswith("| 2 GPUs")}
     assert set(rows) == {"1 GPU", "2 GPUs DDP"}
@@ -200,10 +203,8 @@ def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
 
 def test_streamed_text_equals_decoded_text_for_json_tokenizer(capsys):
     """Streaming never prints a JSON escape or UTF-8 character before it is complete."""
-    from types import SimpleNamespace
-
-    import sample
     from data.tokenizer import get_tokenizer
+    from evaluation.samples import stream_text
 
     tok = get_tokenizer("gpt2_json")
     ids = tok.encode_ordinary('He said "hi"\nthen left. café ✓ 😀 end')
@@ -212,9 +213,7 @@ def test_streamed_text_equals_decoded_text_for_json_tokenizer(capsys):
         def generate_stream(self, idx, *args, **kwargs):
             yield from (torch.tensor([i]) for i in ids)
 
-    cfg = SimpleNamespace(stop_at_eot=True, prefill_chunk=None, max_new_tokens=len(ids), temperature=0,
-                          top_k=None, top_p=None)
-    text = sample.stream_text(Replay(), tok, [tok.eot_token], cfg, "cpu")
+    text = stream_text(Replay(), tok, [tok.eot_token], "cpu", max_new_tokens=len(ids), temperature=0)
     assert text == 'He said "hi"\nthen left. café ✓ 😀 end'
     assert capsys.readouterr().out == text + "\n"
 
