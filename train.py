@@ -366,6 +366,7 @@ def train(cfg, overrides, model_group):
 
 def run(cfg, overrides, model_group, dist_info, out_dir):
     device = dist_info.device
+    accum = grad_accum_steps(cfg, dist_info.world)
     torch.manual_seed(cfg.train.seed)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -383,7 +384,6 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     if fsdp:       # in place, before the optimizer sees the parameters
         shard_model(raw_model)
     optimizer = make_optimizer(raw_model, cfg.optim, device)
-    accum = grad_accum_steps(cfg, dist_info.world)
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     loader = build_loader(cfg.data, "train", B, T, dist_info.rank, dist_info.world)
 
@@ -429,8 +429,6 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         if dist_info.world > 1:
             dist.barrier()
 
-    bar = tqdm(total=cfg.train.max_steps, initial=step, disable=not dist_info.master, desc="train",
-               dynamic_ncols=True)
     model.train()
     t_start = t_last = time.perf_counter()
     losses, summary = [], {}
@@ -444,67 +442,68 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         return result
 
     stop = StopRequest()
-    while step < cfg.train.max_steps:
-        lr = lr_at(step, cfg.train.max_steps, warmup, cfg.optim.lr, cfg.optim.min_lr_ratio)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = 0.0
-        for micro in range(accum):
-            x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
-            sync = micro == accum - 1     # reduce gradients across ranks once per step
-            with gradient_sync(model, raw_model, dist_info.world, fsdp, sync), autocast:
-                _, loss = model(x, y)
-            (loss / accum).backward()
-            loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        loss_value = dist_info.mean(loss_sum.item() / accum)
-        if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
-            raise FloatingPointError(
-                f"non-finite loss ({loss_value}) or gradient norm at step {step}; stopping. "
-                f"Last good checkpoint: {last_ckpt or 'none yet'}")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        losses.append(loss_value)
-        bar.update(1)
+    with tqdm(total=cfg.train.max_steps, initial=step, disable=not dist_info.master, desc="train",
+              dynamic_ncols=True) as bar:     # closed however the loop ends: an error starts its own line
+        while step < cfg.train.max_steps:
+            lr = lr_at(step, cfg.train.max_steps, warmup, cfg.optim.lr, cfg.optim.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = 0.0
+            for micro in range(accum):
+                x, y = (t.to(device, non_blocking=True) for t in loader.next_batch())
+                sync = micro == accum - 1     # reduce gradients across ranks once per step
+                with gradient_sync(model, raw_model, dist_info.world, fsdp, sync), autocast:
+                    _, loss = model(x, y)
+                (loss / accum).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip)
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            loss_value = dist_info.mean(loss_sum.item() / accum)
+            if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
+                raise FloatingPointError(
+                    f"non-finite loss ({loss_value}) or gradient norm at step {step}; stopping. "
+                    f"Last good checkpoint: {last_ckpt or 'none yet'}")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            losses.append(loss_value)
+            bar.update(1)
 
-        if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            dt = (time.perf_counter() - t_last) / len(losses)
-            t_last = time.perf_counter()
-            tok_s = tokens_per_step / dt
-            record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
-                      "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step,
-                      "tok_per_s": tok_s}
-            if device.type == "cuda":
-                record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
-            losses = []
-            summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
-            if dist_info.master:
-                bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                                **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
-                metrics.log(record)
-        if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
-            val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))
-            summary["val_loss"] = val
-            if dist_info.master:
-                bar.write(f"step {step}: val loss {val:.4f}")
-                metrics.log({"step": step, "val_loss": val})
-        if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
-            untimed(lambda: checkpoint(step))
-        if stop.agreed(dist_info):
-            bar.close()
-            if saved_step != step:
-                checkpoint(step)
-            if dist_info.master:
-                print(f"interrupted at step {step}: saved {last_ckpt}; resume with train.resume=auto")
-            del model                  # DDP's reducer must die before its process group (gloo deadlock)
-            dist_info.close()
-            raise SystemExit(stop.exit_code)
-    bar.close()
+            if step % cfg.train.log_interval == 0 or step == cfg.train.max_steps:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = (time.perf_counter() - t_last) / len(losses)
+                t_last = time.perf_counter()
+                tok_s = tokens_per_step / dt
+                record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
+                          "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step,
+                          "tok_per_s": tok_s}
+                if device.type == "cuda":
+                    record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
+                losses = []
+                summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
+                if dist_info.master:
+                    bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
+                                    **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
+                    metrics.log(record)
+            if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
+                val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))
+                summary["val_loss"] = val
+                if dist_info.master:
+                    bar.write(f"step {step}: val loss {val:.4f}")
+                    metrics.log({"step": step, "val_loss": val})
+            if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
+                untimed(lambda: checkpoint(step))
+            if stop.agreed(dist_info):
+                bar.close()
+                if saved_step != step:
+                    checkpoint(step)
+                if dist_info.master:
+                    print(f"interrupted at step {step}: saved {last_ckpt}; resume with train.resume=auto")
+                del model                  # DDP's reducer must die before its process group (gloo deadlock)
+                dist_info.close()
+                raise SystemExit(stop.exit_code)
     if dist_info.master:
         print_summary(step, tokens_per_step, time.perf_counter() - t_start, summary, last_ckpt, out_dir)
         if cfg.train.sample_tokens:   # FSDP holds shards only: sample from the saved checkpoint

@@ -94,7 +94,8 @@ def read_checkpoint(path, mmap=False):
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:
-        raise UnreadableCheckpoint(f"{path} is not a readable checkpoint ({' '.join(str(e).split())[:200]})") from e
+        reason = " ".join(str(e).split()).split(". ")[0]      # torch's first sentence says what broke
+        raise UnreadableCheckpoint(f"{path} is not a readable checkpoint ({reason})") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
         raise UnreadableCheckpoint(f"{path} was not written by this repo's train.py (expected format "
                                    f"{CHECKPOINT_FORMAT!r}); convert it or pass a checkpoint from train.py")
@@ -130,7 +131,8 @@ def load_checkpoint(path):
         except UnreadableCheckpoint as e:
             others = [f for f in checkpoint_files(os.path.dirname(path) or ".") if not os.path.samefile(f, path)]
             good = next((f for f in reversed(others) if is_readable(f)), None)
-            hint = f"the newest readable checkpoint beside it is {good}" if good else "no checkpoint beside it is readable"
+            hint = (f"the newest readable checkpoint beside it is {good}" if good
+                    else "no checkpoint beside it is readable")
             raise UnreadableCheckpoint(f"{e}; {hint}") from e
     raise FileNotFoundError(f"checkpoint {path!r} does not exist; pass a run directory or a ckpt_<step>.pt file")
 
@@ -227,14 +229,20 @@ def fsync_directory(directory):
         os.close(fd)
 
 
-def tensor_bytes(obj):
-    """Bytes of every tensor in a nested dict/list: the least a checkpoint of it takes on disk."""
+def tensor_bytes(obj, seen=None):
+    """Bytes of the tensor storages in a nested dict/list, each storage once (tied weights share
+    one): the least a checkpoint of it takes on disk."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
     if isinstance(obj, dict):
-        return sum(tensor_bytes(v) for v in obj.values())
+        return sum(tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(tensor_bytes(v) for v in obj)
+        return sum(tensor_bytes(v, seen) for v in obj)
     return 0
 
 
@@ -378,8 +386,10 @@ class RunLock:
             return (f"{run_dir} is locked by {self.path}, which names no process; if no training run uses "
                     f"this directory, delete {self.path}")
         who = f"pid {holder.get('pid')} on host {holder.get('host')}"
-        fix = (f"wait for it to finish or stop it, or use another train.out_dir" if holder.get("host") == self.me["host"]
-               else f"if that run is gone, delete {self.path}; or use another train.out_dir")
+        if holder.get("host") == self.me["host"]:
+            fix = "wait for it to finish or stop it, or use another train.out_dir"
+        else:
+            fix = f"if that run is gone, delete {self.path}; or use another train.out_dir"
         return f"{run_dir} is in use by another training run ({who}); {fix}"
 
 
