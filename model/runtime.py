@@ -34,6 +34,8 @@ def choose_device(name="auto", local_rank=0):
     """auto: this local rank's CUDA device when CUDA is visible, else the CPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={name} but no CUDA device is visible; use device=auto or cpu")
     if name == "cuda":
         return torch.device("cuda", local_rank)
     return torch.device(name)

@@ -15,7 +15,7 @@ RUNS=("baseline model=llama" "baseline_seed2 model=llama train.seed=2" "castle m
 run() {  # gpu name overrides...
   local gpu=$1 name=$2; shift 2
   CUDA_VISIBLE_DEVICES=$gpu python train.py experiment=compare_XS data.dir="$DATA" train.out_dir="$OUT/$name" \
-      train.resume=never "$@" ${EXTRA:-} > "$OUT/$name.log" 2>&1 &&
+      train.resume=never train.if_exists=archive "$@" ${EXTRA:-} > "$OUT/$name.log" 2>&1 &&
   CUDA_VISIBLE_DEVICES=$gpu python eval.py ckpt="$OUT/$name" eval.tasks=[long_context] >> "$OUT/$name.log" 2>&1 ||
   { echo "$name FAILED: see $OUT/$name.log"; return 1; }
   echo "$name: $(grep -a '^done' "$OUT/$name.log" | tail -1)"
@@ -27,5 +27,5 @@ for i in "${!RUNS[@]}"; do
 done
 wait
 DIRS=$(for r in "${RUNS[@]}"; do echo -n "$OUT/${r%% *} "; done)
-python scripts/plot_runs.py $DIRS --out "$OUT/loss_curves.png"
-python scripts/plot_long_context.py $DIRS --out "$OUT/per_token_loss.png"
+python -m scripts.plot_runs $DIRS --out "$OUT/loss_curves.png"
+python -m scripts.plot_long_context $DIRS --out "$OUT/per_token_loss.png"

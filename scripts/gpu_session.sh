@@ -19,7 +19,7 @@ case "${1:-tests}" in
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py \
              tests/test_forgetting_kernels.py tests/test_tree.py tests/test_sharded_decode.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
-  train)   shift; python scripts/bench_train.py "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
+  train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
   kernels) python scripts/bench_forgetting.py --L 2048 16384 2>&1 | tee "$OUT/bench_forgetting.log" | tail -12
            python scripts/bench_castle.py --L 2048 --D 128 --B 8 --H 16 --dtype bf16 --sweep --jobs 16 2>&1 \
              | tee "$OUT/castle_sweep_d128.log" | tail -22
@@ -27,10 +27,10 @@ case "${1:-tests}" in
   multi)   N=$(nvidia-smi -L | wc -l)
            torchrun --standalone --nproc_per_node=$N scripts/bench_tree.py --ctx 131072,1048576,4194304 2>&1 \
              | tee "$OUT/tree.log" | tail -8
-           torchrun --standalone --nproc_per_node=$N scripts/bench_sharded_decode.py --attention baseline,fox,castle \
+           torchrun --standalone --nproc_per_node=$N -m scripts.bench_sharded_decode --attention baseline,fox,castle \
              --ctx 1048576 --check 256 --graphs 2>&1 | tee "$OUT/sharded.log" | tail -10
            python -m pytest -m gpu -q -rs tests/test_tree.py tests/test_sharded_decode.py 2>&1 | tee "$OUT/pytest_2gpu.log" | tail -4
-           python scripts/bench_scaling.py --gpus $(printf "%s\n" 1 2 $N | sort -un) --steps 14 --skip 4 --out /tmp/scaling -- experiment=baseline_paper_M \
+           python -m scripts.bench_scaling --gpus $(printf "%s\n" 1 2 $N | sort -un) --steps 14 --skip 4 --out /tmp/scaling -- experiment=baseline_paper_M \
              data=text data.dir=.gpu_data/text train.micro_batch_size=16 2>&1 | tee "$OUT/scaling.log" | tail -10 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;

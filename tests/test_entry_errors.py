@@ -18,7 +18,7 @@ import sample
 import train
 from model.checkpoint import CHECKPOINT_FORMAT, config_dict
 from model.gpt import GPTConfig
-from model.runtime import CONFIG_DIR, entry_point, quote_literal
+from model.runtime import CONFIG_DIR, choose_device, entry_point, quote_literal
 
 ROOT = os.path.dirname(CONFIG_DIR)
 
@@ -178,6 +178,12 @@ def test_resume_takes_model_and_data_settings_from_the_checkpoint():
 ])
 def test_sample_option_errors(override, expected):
     assert expected in error_of(sample.check_sample_options, compose_config("sample", ["ckpt=x", override]))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is visible")
+def test_cuda_without_a_gpu_is_a_clear_error():
+    with pytest.raises(ValueError, match="device=cuda but no CUDA device is visible; use device=auto or cpu"):
+        choose_device("cuda")
 
 
 def test_sample_and_eval_need_a_checkpoint():

@@ -132,6 +132,17 @@ def test_checkpoint_from_another_model_is_refused(trained_run, tmp_path):
     assert proc.returncode != 0 and "another model" in proc.stderr and "n_layer" in proc.stderr
 
 
+def test_resume_takes_the_model_and_data_settings_from_the_checkpoint(trained_run, tmp_path):
+    """Continuing a run needs no model or data override repeated: they come from the checkpoint."""
+    out = str(tmp_path / "continued")
+    shutil.copytree(trained_run, out)
+    train_only = [a for a in TINY if not a.startswith(("model.", "size="))]
+    proc = run("train.py", train_only + [f"train.out_dir={out}", "train.max_steps=7", "train.global_batch_tokens=256"])
+    assert "model: llama (baseline attention)" in proc.stdout
+    assert "resuming at step 6" in proc.stdout and "with its model and data settings" in proc.stdout
+    assert sorted(train_losses(out)) == list(range(1, 8))
+
+
 def test_indivisible_batch_is_a_clear_error(tmp_path):
     proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.global_batch_tokens=100"],
                check=False)
