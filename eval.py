@@ -20,7 +20,8 @@ import evaluation.lm_eval_adapter  # noqa: F401  (registers "lm_eval")
 import evaluation.long_context  # noqa: F401  (registers "long_context")
 import evaluation.niah  # noqa: F401  (registers "niah")
 import evaluation.tint  # noqa: F401  (registers "tint")
-from evaluation import EVALUATIONS, Context
+import evaluation.results
+from evaluation import EVALUATIONS, Context, check_options
 from model.gpt import find_checkpoint, load_model
 
 
@@ -37,36 +38,19 @@ def run(cfg):
     model, train_cfg, device = load_model(ckpt_path, cfg.device, cfg.dtype)
     out = cfg.out or os.path.join(os.path.dirname(ckpt_path), "results.json")
     ctx = Context(cfg, train_cfg, device, ckpt_path, os.path.dirname(os.path.abspath(out)))
-    results = previous_results(out, ckpt_path)
+    check_options(model, ctx)
+    results = evaluation.results.load(out, ckpt_path)
     results.update({"checkpoint": os.path.abspath(ckpt_path), "attention": train_cfg["model"]["attention"],
                     "n_params": model.num_params()})
     for name in cfg.eval.tasks:
         t0 = time.perf_counter()
         new = EVALUATIONS[name](model, ctx)
-        results[name] = merge(results.get(name, {}), new)
+        results[name] = evaluation.results.merge(results.get(name, {}), new)
         summary = json.dumps(new)
         print(f"{name}: {summary[:400] + ' ...' if len(summary) > 400 else summary} ({time.perf_counter() - t0:.1f}s)")
-    with open(out + ".tmp", "w") as f:        # atomic: earlier results survive a crash here
-        json.dump(results, f, indent=2)
-    os.replace(out + ".tmp", out)
+    evaluation.results.save(out, results)
     print(f"wrote {out}")
     return results
-
-
-def previous_results(path, ckpt_path):
-    """The results already in `path` for this same checkpoint file, else a fresh dict."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        old = json.load(f)
-    return old if old.get("checkpoint") == os.path.abspath(ckpt_path) else {}
-
-
-def merge(old, new):
-    """Nested dicts: the new values win, keys only the old one has stay."""
-    for key, value in new.items():
-        old[key] = merge(old[key], value) if isinstance(value, dict) and isinstance(old.get(key), dict) else value
-    return old
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="evaluate")
