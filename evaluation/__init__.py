@@ -15,6 +15,7 @@ import warnings
 from omegaconf import OmegaConf
 
 from data.loader import build_loader
+from data.longcrawl64 import DOC_LEN, LongCrawl64Loader
 from data.tokenizer import tokenizer_for
 
 EVALUATIONS = {}
@@ -38,14 +39,19 @@ class Context:
     """What an evaluation needs besides the model.
 
     cfg: eval.py's Hydra config; train_cfg: the checkpoint's resolved training config (dict);
-    device; ckpt_path; data_cfg: the data config (eval.py's `data=` override or the checkpoint's);
-    seq_len: eval.seq_len or the training context; out_dir: where files (plots, CSV) go;
-    tokenizer: the checkpoint's own.
+    device; ckpt_path; data_cfg: the data config (eval.py's `data=` override, tokenized like the
+    checkpoint's data, or the checkpoint's own); seq_len: eval.seq_len or the training context;
+    out_dir: where files (plots, CSV) go; tokenizer: the checkpoint's own.
     """
 
     def __init__(self, cfg, train_cfg, device, ckpt_path, out_dir):
         self.cfg, self.train_cfg, self.device, self.ckpt_path = cfg, train_cfg, device, ckpt_path
         self.data_cfg = cfg.data if cfg.get("data") else OmegaConf.create(train_cfg["data"])
+        trained_on = train_cfg["data"].get("tokenizer", "gpt2")
+        if self.data_cfg.get("tokenizer", "gpt2") != trained_on:
+            raise ValueError(f"data={self.data_cfg.name} is tokenized with {self.data_cfg.get('tokenizer', 'gpt2')}, "
+                             f"but the checkpoint was trained on {trained_on} tokens; evaluate on data tokenized "
+                             f"with {trained_on} (or leave data= out: the checkpoint's own data)")
         self.seq_len = check_int(cfg.eval.seq_len, "eval.seq_len", none=True) or train_cfg["train"]["seq_len"]
         self.out_dir = out_dir
 
@@ -119,11 +125,10 @@ class ValSplit:
     def __init__(self, data_cfg):
         self.data_cfg = data_cfg
         probe = build_loader(data_cfg, "val", 1, 1)
-        if hasattr(probe, "rows"):          # LongCrawl64: documents of 65536 tokens, a sequence is a chunk of one
-            from data.longcrawl64 import DOC_LEN
+        if isinstance(probe, LongCrawl64Loader):    # documents of 65536 tokens; a sequence is a chunk of one
             self.documents, self.doc_len = probe.rows, DOC_LEN
             self.size = f"{self.documents:,} documents of {DOC_LEN:,} tokens"
-        else:                               # one stream of shard tokens
+        else:                                       # one stream of shard tokens
             self.tokens, self.doc_len = int(probe.offsets[-1]), None
             self.size = f"{self.tokens:,} tokens"
 
@@ -136,7 +141,7 @@ class ValSplit:
     def check(self, seq_len, batch_size, seq_option, batch_option):
         """seq_len must fit one batch of the split; the error names the option and the valid range."""
         longest = self.doc_len if self.doc_len else (self.tokens - 1) // batch_size
-        if self.sequences(1, batch_size) == 0 or longest < 1:
+        if self.sequences(1, batch_size) == 0:
             raise ValueError(f"{batch_option}={batch_size} is too large: the val split of data "
                              f"'{self.data_cfg.name}' holds {self.size}; lower {batch_option}")
         if not 1 <= seq_len <= longest:

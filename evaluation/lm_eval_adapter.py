@@ -385,10 +385,12 @@ def settings(model, ctx):
     root = data_root(c.data_root)
     local = use_local_copies(c.offline, root)
     names, skipped = select_tasks(preset, tasks, local)
-    if (local or set(names) & local_task_names()) and not root.is_dir():
+    needs_copies = local or set(names) & local_task_names() or (c.offline == "auto" and not hub_reachable())
+    if needs_copies and not root.is_dir():
         raise FileNotFoundError(f"the local benchmark copies are not at {root} (lm_eval.data_root, else "
-                                f"$EVAL_DATA_ROOT, else {DEFAULT_DATA_ROOT}); point lm_eval.data_root at them, or "
-                                "run with the Hugging Face Hub reachable and lm_eval.offline=false")
+                                f"$EVAL_DATA_ROOT, else {DEFAULT_DATA_ROOT})" + ("" if local else " and the Hugging "
+                                "Face Hub does not answer") + "; point lm_eval.data_root at them, or run with the "
+                                "Hub reachable and lm_eval.offline=false")
     check_task_names(names, include_path)
     return Plan(preset, names, skipped, local, root, include_path)
 

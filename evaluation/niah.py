@@ -99,9 +99,7 @@ def plot_heatmap(grid, lengths, depths, train_len, title, png):
 
 
 def settings(model, ctx):
-    """(modes, lengths, depths, books_dir) from the niah options, every one checked. Without
-    niah.lengths the paper's grid scaled to the training context (from 512) is used, minus the
-    lengths a model with learned positions cannot read; explicit lengths must all fit."""
+    """(modes, lengths, depths, books_dir) from the niah options, every one checked."""
     c = ctx.cfg.niah
     modes = check_list(c.modes, "niah.modes", choices=NEEDLES)
     for option in ("max_new_tokens", "batch_size"):
@@ -109,8 +107,21 @@ def settings(model, ctx):
     check_int(c.question_reserve, "niah.question_reserve", low=0)
     depths = [check_number(d, "niah.depths", 0, 100) for d in check_list(c.depths, "niah.depths", none=True)
               or np.linspace(0, 100, 11).round()]
-    lengths = [check_int(l, "niah.lengths") for l in check_list(c.lengths, "niah.lengths", none=True) or []]
     needle = max(len(ctx.tokenizer.encode_ordinary(NEEDLES[mode])) for mode in modes)
+    lengths = prompt_lengths(model, c, needle, ctx.train_cfg["train"]["seq_len"])
+    books_dir = Path(c.books_dir or os.environ.get("BOOKS_DIR") or DEFAULT_BOOKS).expanduser()
+    if not any(books_dir.glob("*.xml.gz")):
+        raise FileNotFoundError(f"niah.books_dir={books_dir} holds no novels (*.xml.gz, TEI); point niah.books_dir "
+                                "(or $BOOKS_DIR) at a folder of them, e.g. ../shared/data/books/eltec_eng")
+    return modes, lengths, depths, books_dir
+
+
+def prompt_lengths(model, c, needle, train_len):
+    """niah.lengths, else the paper's grid scaled to the training context (from 512). A length must
+    leave a haystack after niah.question_reserve and the `needle` tokens; with learned positions it
+    must also leave niah.max_new_tokens before block_size: the default grid drops the lengths that
+    do not, explicit lengths must all fit."""
+    lengths = [check_int(l, "niah.lengths") for l in check_list(c.lengths, "niah.lengths", none=True) or []]
     shortest = c.question_reserve + needle + 1
     if lengths and min(lengths) < shortest:
         raise ValueError(f"niah.lengths={shown(c.lengths)} holds {min(lengths)}, which leaves no haystack after "
@@ -127,19 +138,14 @@ def settings(model, ctx):
         raise ValueError(f"niah.lengths={shown(c.lengths)} holds {max(lengths)}, but the model's learned positions "
                          f"stop at block_size={block}, so with niah.max_new_tokens={c.max_new_tokens} a prompt has "
                          f"at most {room} tokens; choose lengths in [{shortest}, {room}]")
+    if lengths:
+        return lengths
+    grid = sorted({round(float(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)})
+    lengths = [l for l in grid if shortest <= l and (not learned or l <= room)]
     if not lengths:
-        train_len = ctx.train_cfg["train"]["seq_len"]
-        grid = sorted({round(float(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)})
-        lengths = [l for l in grid if shortest <= l and (not learned or l <= room)]
-        if not lengths:
-            raise ValueError(f"none of the default niah lengths {grid} fits this model and niah.question_reserve; "
-                             f"set niah.lengths=[...] to lengths >= {shortest}"
-                             + (f" and <= {room}" if learned else ""))
-    books_dir = Path(c.books_dir or os.environ.get("BOOKS_DIR") or DEFAULT_BOOKS).expanduser()
-    if not any(books_dir.glob("*.xml.gz")):
-        raise FileNotFoundError(f"niah.books_dir={books_dir} holds no novels (*.xml.gz, TEI); point niah.books_dir "
-                                "(or $BOOKS_DIR) at a folder of them, e.g. ../shared/data/books/eltec_eng")
-    return modes, lengths, depths, books_dir
+        raise ValueError(f"none of the default niah lengths {grid} fits this model and niah.question_reserve; "
+                         f"set niah.lengths=[...] to lengths >= {shortest}" + (f" and <= {room}" if learned else ""))
+    return lengths
 
 
 @evaluation("niah", check=settings)

@@ -26,7 +26,7 @@ scales like 1 / (number of training tokens): with ~500 training tokens start aro
 Options (`tint:` in the eval config; every key optional, defaults in DEFAULTS = configs/tint/default.yaml):
   lr, task_lr (null: lr), n_layers (null: all), n_steps, fd_eps, dtype (fp32 | fp64),
   methods (subset of [vanilla, dyneval, dyneval_full, tint_ref, tint_sim]),
-  train_fracs, seq_len (null: the eval context, capped at block_size; at most block_size), batch_size,
+  train_fracs (each in (0, 1)), seq_len (null: the eval context, capped at block_size; at most block_size), batch_size,
   batches (capped, with a warning, at the distinct sequences the val split holds), sim_batches,
   task (arc_easy | arc_challenge | openbookqa | piqa | null), task_path (null: <data_root>/<task>/...),
   data_root (null: $EVAL_DATA_ROOT, else ../shared/data/eval next to the repo), task_examples,
@@ -137,13 +137,13 @@ def settings(model, ctx):
     TinT's auxiliary model must be a plain softmax-attention GPT, tint.n_layers must name layers it
     has, tint.seq_len (null: the eval context, capped at block_size) fit its positions and the val
     split, and the simulator be buildable with tint.sim_K. Split and length are None without text."""
-    o = options(ctx)
     try:
         check_aux_model(model)
     except ValueError as e:
         raise ValueError(f"eval.tasks has tint, but this checkpoint cannot be TinT's auxiliary model ({e}); evaluate "
                          "a checkpoint with attention=baseline (e.g. model=gpt2 or model=llama) or drop tint from "
                          "eval.tasks") from None
+    o = options(ctx)
     config = model.config
     if o["n_layers"] is not None and o["n_layers"] > config.n_layer:
         raise ValueError(f"tint.n_layers={o['n_layers']} is out of range: the model has {config.n_layer} layer(s); "

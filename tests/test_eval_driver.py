@@ -25,8 +25,8 @@ from data.shards import write_shard
 from data.tokenizer import get_tokenizer
 import evaluation.results
 from evaluation import long_context, niah
-from evaluation.lm_eval_adapter import (GPTLM, PRESETS, check_limit, data_root, paper_row, select_tasks,
-                                        write_local_tasks)
+from evaluation.lm_eval_adapter import (GPTLM, PRESETS, check_limit, data_root, hub_reachable, paper_row,
+                                        select_tasks, write_local_tasks)
 from model.gpt import ATTENTIONS, CHECKPOINT_FORMAT, GPT, GPTConfig, config_dict
 from tests.test_model import VARIANTS   # every attention variant and block style, in tiny form
 
@@ -411,6 +411,7 @@ BAD_OPTIONS = [   # (checkpoint, overrides, what the message must say: the optio
               "lm_eval.data_root=/nonexistent/eval"], ["/nonexistent/eval", "lm_eval.data_root"]),
     ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.include_path=/nonexistent/tasks"],
      ["lm_eval.include_path=/nonexistent/tasks", "folder of task YAMLs"]),
+    ("tiny", ["data=longcrawl64"], ["data=longcrawl64", "gpt2_json", "trained on gpt2 tokens", "leave data= out"]),
     ("tiny", ["eval.batch_size=0"], ["eval.batch_size=0", "integer >= 1"]),
     ("tiny", ["eval.val_tokens=0"], ["eval.val_tokens=0"]),
     ("tiny", ["eval.seq_len=-4"], ["eval.seq_len=-4", "integer >= 1"]),
@@ -440,7 +441,7 @@ BAD_OPTIONS = [   # (checkpoint, overrides, what the message must say: the optio
     ("learned", ["eval.tasks=[niah]"], ["block_size=64", "niah.question_reserve=200", "niah.max_new_tokens=64",
                                         "drop niah from eval.tasks"]),
     ("tiny", ["eval.tasks=[niah]", "niah.question_reserve=2000"], ["default niah lengths", "niah.lengths=[...]"]),
-    ("castle", ["eval.tasks=[tint]"], ["eval.tasks has tint", "attention='baseline'", "drop tint from eval.tasks"]),
+    ("castle", ["eval.tasks=[tint]", "tint.task_path=/nonexistent/x.jsonl"], ["eval.tasks has tint", "attention='baseline'", "drop tint from eval.tasks"]),
     ("learned", ["eval.tasks=[tint]", "tint.lr=-1"], ["tint.lr=-1", "[0, inf)"]),
     ("learned", ["eval.tasks=[tint]", "tint.lr=fast"], ["tint.lr=fast", "number"]),
     ("learned", ["eval.tasks=[tint]", "tint.fd_eps=0"], ["tint.fd_eps=0", "(0, inf)"]),
@@ -478,6 +479,15 @@ def test_lm_eval_limit_accepts_what_lm_eval_reads():
     for limit in (0, -1, 0.0, 1.0, 2.5, True, "10"):
         with pytest.raises(ValueError, match="lm_eval.limit"):
             check_limit(limit)
+
+
+def test_no_hub_and_no_local_copies_is_an_error_not_a_run_of_skips(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_reachable.cache_clear()
+    message = error_of([f"ckpt={tiny_checkpoint}", "eval.tasks=[lm_eval]", "lm_eval.preset=fox",
+                        "lm_eval.offline=auto", "lm_eval.data_root=/nonexistent/eval"])
+    hub_reachable.cache_clear()
+    assert "/nonexistent/eval" in message and "Hub does not answer" in message and "lm_eval.data_root" in message
 
 
 @pytest.mark.slow        # indexes every task of the installed lm-eval (several seconds)
@@ -593,3 +603,21 @@ def test_generate_until_never_decodes_a_padded_vocabulary_id(tok):
     greedy, sampled = lm.generate_until(requests)
     assert greedy == tok.decode(model.generate(ids, 8, temperature=0)[0, ids.size(1):].tolist())
     assert isinstance(sampled, str)
+
+
+@pytest.mark.slow        # builds and runs the TinT simulator (several seconds)
+def test_tint_driver_simulator_agrees_with_the_reference(learned_checkpoint, small_val, tmp_path):
+    """tint_sim through eval.py: its parameter count is the formula's and its logits are the reference
+    update's, on held-out text and on a multiple-choice question."""
+    data, _ = small_val
+    task = tmp_path / "mc.jsonl"
+    task.write_text(json.dumps({"query": "Question: which is larger?", "choices": [" two", " one"], "gold": 0}) + "\n")
+    got = eval_run([f"ckpt={learned_checkpoint}", *data, "eval.tasks=[tint]",
+                    "tint.methods=[vanilla,tint_ref,tint_sim]", "tint.dtype=fp64", "tint.lr=1e-2", "tint.seq_len=16", "tint.batch_size=1", "tint.batches=1",
+                    f"tint.task_path={task}", "tint.sim_examples=1", f"out={tmp_path / 'r.json'}"])["tint"]
+    assert got["simulator"]["params_built"] == got["simulator"]["params_formula"]
+    sim = got["text"]["frac_0.5"]["sim_subset"]
+    assert sim["max_abs_logit_diff_sim_vs_ref"] <= 1e-8
+    assert sim["perplexity"]["tint_sim"] == pytest.approx(sim["perplexity"]["tint_ref"], rel=1e-9)
+    assert sim["perplexity"]["tint_ref"] != pytest.approx(sim["perplexity"]["vanilla"], rel=1e-9)   # lr moved it
+    assert got["task"]["sim_subset"]["acc"]["tint_sim"] == got["task"]["sim_subset"]["acc"]["tint_ref"]
