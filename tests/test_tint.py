@@ -18,7 +18,6 @@ from model.tint import (
     SideChannel,
     SimConfig,
     TinT,
-    _Ctx,
     decode_linear,
     dyn_eval_reference,
     encode_linear,
@@ -29,6 +28,7 @@ from model.tint import (
     tint_reference,
     tint_update,
 )
+from model.tint.simulator import _Ctx
 
 GPT2 = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "bias": True}
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False}
