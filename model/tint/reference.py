@@ -4,14 +4,15 @@ TinT (Panigrahi, Malladi, Xia, Arora; arXiv:2307.01189) runs, inside one forward
 approximate SGD steps of an auxiliary GPT on the next-token loss of a sequence's first `n_train` tokens
 and scores the rest with the updated model. This module computes that update explicitly, for GPT-2-style
 (LayerNorm, GELU, learned positions, biases) and LLaMA-style (RMSNorm, SwiGLU, RoPE, no biases) models.
-The three approximations of the paper (§2.1 items 4-5):
+The approximations (section, appendix and definition numbers in this module refer to arXiv:2307.01189):
   * gradients flow through attention only via the values: W_Q, W_K frozen, the attention probabilities
     A treated as given (§2.5, Def. 2.12);
   * the backward of the norms and of the activation is a first-order finite difference
     FD_f(x, d) = (f(x + eps*d) - f(x)) / eps (§2.4, Def. 2.8; App. F, Def. F.3; for SwiGLU App. I.3,
     Def. I.7);
-  * of the norms only the biases are updated, never the gains (App. E, Def. E.2); embeddings and head
-    stay frozen (App. G);
+  * of the norms only the biases are updated, never the gains (the gain update of App. E, Def. E.2 needs
+    an elementwise product; the authors' code leaves gains frozen); embeddings and head stay frozen
+    (App. G);
 with all updates taken from the pre-update weights. The update is implemented twice, independently, and
 the tests check they agree in fp64 (the second recipe is the repo's own cross-check):
   * recipe "explicit" (A): a hand-written backward using the forward cache;
@@ -127,7 +128,7 @@ class UpdateOptions:
 
 
 def fd(f, x, d, eps):
-    """First-order finite difference (f(x + eps d) - f(x)) / eps (arXiv:2307.01189 §2.4, Def. 2.8)."""
+    """First-order finite difference (f(x + eps d) - f(x)) / eps (§2.4, Def. 2.8)."""
     return (f(x + eps * d) - f(x)) / eps
 
 
@@ -164,7 +165,7 @@ class _FDAct(torch.autograd.Function):
 
 class _FDGLU(torch.autograd.Function):
     """silu(a) * b with d_b = g silu(a) (exact) and d_a = [silu(a + eps g) - silu(a)] b / eps
-    (arXiv:2307.01189 App. I.3, Def. I.7)."""
+    (App. I.3, Def. I.7)."""
 
     @staticmethod
     def forward(ctx, a, b, fd_eps):
@@ -269,8 +270,8 @@ def _bias_sum(d, m):
 
 
 def _explicit_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
-    """Recipe A: forward with cache, then the hand-written approximate backward (arXiv:2307.01189
-    App. C-F: linear layers, attention values, norms, activation).
+    """Recipe A: forward with cache, then the hand-written approximate backward (App. C-F:
+    linear layers, attention values, norms, activation).
     Returns gradients {layer k: {key: grad}}, {"lnf_b": grad} (descent directions, before -lr)."""
     ops = _Ops(arch)
     eps = opts.fd_eps
@@ -419,7 +420,7 @@ def tint_reference(aux_model, idx, n_train, lr=None, label_mask=None, **options)
 
 
 def dyn_eval_reference(aux_model, idx, n_train, lr, full=False, **options):
-    """Exact-gradient dynamic evaluation, the paper's baseline (arXiv:2307.01189 §3.1): 'matched' (TinT's
+    """Exact-gradient dynamic evaluation, the paper's baseline (§3.1): 'matched' (TinT's
     parameter set, summed loss, same lr; the repo's addition, to isolate the approximations) or `full=True`
     (every weight of the top blocks and the final norm; embeddings frozen)."""
     return tint_reference(aux_model, idx, n_train, lr=lr, method="autograd", attn_grad="full", norm_grad="exact",

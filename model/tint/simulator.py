@@ -20,6 +20,8 @@ positions, with or without biases) and, as the repo's own extension of the paper
 LLaMA style (group-RMSNorm, a GLU primitive for SwiGLU, RoPE inside the softmax heads; S = D / K >= 4 for
 the extra memory). Both need n_head * head_dim == n_embd and a tied or untied head; not the Pro / FoX /
 CASTLE options.
+
+Section, appendix, definition and figure numbers below refer to arXiv:2307.01189.
 """
 import math
 from dataclasses import dataclass, field
@@ -56,7 +58,7 @@ from model.tint.auxiliary import (
 # the prefix row; bias head s = S^2 + s reads the bias shard S^2 + s.
 
 class SideChannel:
-    """Copy-only store between simulator modules (§3.13, §5.3): `put` stores a clone, `get` returns a
+    """Copy-only store between simulator modules: `put` stores a clone, `get` returns a
     clone. It holds no arithmetic, so a test can prove that all computation is in the modules."""
 
     def __init__(self):
@@ -79,7 +81,9 @@ class PrefixMemory(SideChannel):
 
 @dataclass
 class SimConfig:
-    """Sizes of the simulator built around one auxiliary configuration (§5.3 sizing rule)."""
+    """Sizes of the simulator built around one auxiliary configuration, by the sizing rule of the authors'
+    code: K divides D, S = D / K weight rows per prefix row, D_s = (S + 1) D, H_L = (S + 1) S linear-attention
+    heads of size K."""
     n_embd: int
     n_head: int
     head_dim: int
@@ -145,13 +149,13 @@ class SimConfig:
                    lr=lr, n_layers=config.n_layer if n_layers is None else n_layers, **kw)
 
 
-# ---------------------------------------------------------------------------- primitives (§3.1)
+# ---------------------------------------------------------------------------- primitives
 
 class HSplitLinear(nn.Module):
     """A linear map of R^{D_s} seen as an H x d grid (row h = head h), as a product of H-split stages
-    (§3.7): "dim" (dimension-wise: per column c an H x H matrix, d H^2 parameters) and "split"
-    (split-wise: per row h a d x d matrix, H d^2 parameters). ("dim",) moves and mixes whole rows;
-    ("dim", "split", "dim") realises any re-ordering of the grid cells (three-pass permutation)."""
+    (App. C.1, Defs. C.4 and C.5): "dim" (dimension-wise: per column c an H x H matrix, d H^2 parameters)
+    and "split" (split-wise: per row h a d x d matrix, H d^2 parameters). ("dim",) moves and mixes whole
+    rows; ("dim", "split", "dim") realises any re-ordering of the grid cells (three-pass permutation)."""
 
     def __init__(self, H, d, stages, dtype=None, device=None):
         super().__init__()
@@ -200,9 +204,10 @@ def _augment(u, adj, match_r, seen):
 
 
 def compile_routes(H, d, routes):
-    """Three-pass grid permutation (§3.7, derived from König's edge-colouring theorem): complete the
-    partial permutation, colour the H-regular bipartite multigraph (input column -> output column) with
-    H perfect matchings; colour k is the middle row. Returns float64 (W1 dim, W2 split, W3 dim)."""
+    """Three-pass grid permutation (the repo's construction; that three passes realise any re-ordering
+    follows from König's edge-colouring theorem): complete the partial permutation, colour the H-regular
+    bipartite multigraph (input column -> output column) with H perfect matchings; colour k is the middle
+    row. Returns float64 (W1 dim, W2 split, W3 dim)."""
     key = (H, d, tuple(routes))
     if key in _ROUTE_CACHE:
         return _ROUTE_CACHE[key]
@@ -244,9 +249,9 @@ def compile_routes(H, d, routes):
 
 
 class Gate(nn.Module):
-    """Position-dependent gated combination (§3.1 item 5): new = sum_i G_i * x_i over the inputs
-    (x_0 = the old state, then module outputs), G_i[row, ch] = tanh(scale * (rho(row) c_i[ch] + b_i[ch]))
-    with rho = one-hot . w_rho (1 on prefix rows, 0 on token rows). Gates are exactly 0 or 1."""
+    """Position-dependent gated combination (as in the authors' code): new = sum_i G_i * x_i over the
+    inputs (x_0 = the old state, then module outputs), G_i[row, ch] = tanh(scale * (rho(row) c_i[ch] +
+    b_i[ch])) with rho = one-hot . w_rho (1 on prefix rows, 0 on token rows). Gates are exactly 0 or 1."""
 
     def __init__(self, cfg, n_in, dtype=None, device=None):
         super().__init__()
@@ -277,8 +282,9 @@ class Gate(nn.Module):
 class TinTAttention(nn.Module):
     """TinT attention (paper Def. B.1): H heads of size d = D_s / H; q, k, v = H-split map of the row plus
     lambda_h * (one-hot . W^p) (W^p shared by the heads, gated per head); scores linear (q . k, times the
-    0/1 mask) or softmax (masked). `transpose` mixes the values with A^T (the code's T1 op, §3.10), with
-    a second 0/1 mask applied to A^T. Output: concatenated heads through an H-split map."""
+    0/1 mask) or softmax (masked). `transpose` mixes the values with A^T, with a second 0/1 mask applied to
+    A^T: the dv backward in one module, as the authors' code does it (App. D uses two). Output: concatenated
+    heads through an H-split map."""
 
     def __init__(self, cfg, H, kind, stages, transpose=False, dtype=None, device=None):
         super().__init__()
@@ -289,7 +295,8 @@ class TinTAttention(nn.Module):
         self.pos_q, self.pos_k, self.pos_v = z(cfg.P, self.d), z(cfg.P, self.d), z(cfg.P, self.d)
         self.lam = z(3, H)
         self.score_scale = 1.0                 # a constant of the softmax (1/sqrt(d_a) for the aux heads)
-        self.rope_cos = self.rope_sin = None   # RoPE inside the softmax heads (§5.4 item 3), (P, d_rot / 2)
+        # RoPE inside the softmax heads, (P, d_rot / 2) tables (the repo's extension; App. I.2 says "likewise")
+        self.rope_cos = self.rope_sin = None
 
     def forward(self, e, ctx, mask, mask_t=None):
         B, N, _ = e.shape
@@ -367,8 +374,8 @@ class RouteLayer(nn.Module):
 
 
 class NormLayer(nn.Module):
-    """Group normalisation (§3.1 item 3): each listed D-block of the token rows normalised on its own
-    (LayerNorm's normaliser, or RMSNorm's for LLaMA-style models, §5.4 item 1)."""
+    """Group normalisation (App. E, Def. E.3): each listed D-block of the token rows normalised on its own
+    (LayerNorm's normaliser, or RMSNorm's for LLaMA-style models, App. I.1, Def. I.2)."""
 
     def __init__(self, cfg, blocks, dtype=None, device=None):
         super().__init__()
@@ -384,7 +391,7 @@ class NormLayer(nn.Module):
 
 
 class ActLayer(nn.Module):
-    """Row-wise MLP whose nonlinearity is the auxiliary activation (§3.9): out = M_out sigma(M_in e),
+    """Row-wise MLP whose nonlinearity is the auxiliary activation (App. F): out = M_out sigma(M_in e),
     maps optional (identity when absent); writes block B0 of the token rows."""
 
     def __init__(self, cfg, in_spec=None, out_spec=None, dtype=None, device=None):
@@ -403,7 +410,7 @@ class ActLayer(nn.Module):
 
 
 class GLULayer(nn.Module):
-    """GLU primitive (§5.4 item 2, our extension): out = M_out (silu(M_a e) * M_b e), M_* "dim" H-split maps
+    """GLU primitive (the repo's realisation of App. I.3): out = M_out (silu(M_a e) * M_b e), M_* "dim" H-split maps
     (M_out optional); writes the blocks `out_blocks` of the token rows."""
 
     def __init__(self, cfg, a_spec, b_spec, out_spec=None, out_blocks=(0,), dtype=None, device=None):
@@ -433,9 +440,9 @@ def _set_row_mixings(att, *mats):
 
 
 def _set_linear_forward(att, cfg):
-    """Linear Forward (§3.4): token t, weight head (s, r): query x_t^(r) (shard r of B0), key shard sS+r
-    of prefix row j, value e_j -> sum_j <x^(r), w^(r)_{sK+j}> e_j; bias head s: query e_0, key e_j,
-    value the bias shard s -> b^(s). Output: B0 shard s = sum_r head (s, r) + bias head s."""
+    """Linear Forward (§2.3, App. C, Fig. 2): token t, weight head (s, r): query x_t^(r) (shard r of B0),
+    key shard sS+r of prefix row j, value e_j -> sum_j <x^(r), w^(r)_{sK+j}> e_j; bias head s: query e_0,
+    key e_j, value the bias shard s -> b^(s). Output: B0 shard s = sum_r head (s, r) + bias head s."""
     Tm = cfg.block_size
     weight, bias = _lin_heads(cfg)
     H = cfg.H_L
@@ -459,8 +466,8 @@ def _set_linear_forward(att, cfg):
 
 
 def _set_linear_backward(att, cfg):
-    """Linear Backward (§3.5): head (s, r): query pi_s(dy) (shard s of B0), key e_j, value w^(r)_{sK+j}
-    (prefix shard sS+r); output B0 shard r = sum_s head (s, r) = (W^T dy)^(r)."""
+    """Linear Backward (App. C, Def. C.2, Fig. 4): head (s, r): query pi_s(dy) (shard s of B0), key e_j,
+    value w^(r)_{sK+j} (prefix shard sS+r); output B0 shard r = sum_s head (s, r) = (W^T dy)^(r)."""
     Tm = cfg.block_size
     weight, _ = _lin_heads(cfg)
     H = cfg.H_L
@@ -477,10 +484,11 @@ def _set_linear_backward(att, cfg):
 
 
 def _set_linear_descent(att, cfg, lr_weight, lr_bias):
-    """Linear Descent (§3.6): prefix row j is the query (e_j); weight head (s, r): key pi_s(dy_t), value
-    -lr x_t^(r) (x in BS) -> adds -lr sum_t dy_t[sK+j] x_t^(r) to slot s shard r; bias head s: key e_0,
-    value -lr dy_t^(s) -> adds -lr sum_t dy_t^(s) to the bias shard of row 0 only. lr is folded into the
-    value maps (a construction constant); lr_weight = 0 gives the bias-only descent of the norms."""
+    """Linear Descent (App. C, Def. C.3, Fig. 5): prefix row j is the query (e_j); weight head (s, r): key
+    pi_s(dy_t), value -lr x_t^(r) (x in BS) -> adds -lr sum_t dy_t[sK+j] x_t^(r) to slot s shard r; bias
+    head s: key e_0, value -lr dy_t^(s) -> adds -lr sum_t dy_t^(s) to the bias shard of row 0 only. lr is
+    folded into the value maps (a construction constant); lr_weight = 0 gives the bias-only descent of the
+    norms."""
     S, Tm = cfg.S, cfg.block_size
     weight, bias = _lin_heads(cfg)
     H = cfg.H_L
@@ -515,7 +523,8 @@ class LinearLayer(nn.Module):
 
 
 class BackwardDescentLayer(nn.Module):
-    """[Linear Backward || Linear Descent] on the same input (§3.6, the code's Linear_Descent_Backward):
+    """[Linear Backward || Linear Descent] on the same input (App. C; one layer, as the
+    authors' code's Linear_Descent_Backward):
     token rows get W^T dy in B0, prefix rows get W - lr sum dy x^T (and b - lr sum dy). Both read the
     pre-update W. descent=False: backward only (norms without a bias)."""
 
@@ -539,7 +548,7 @@ class BackwardDescentLayer(nn.Module):
 
 
 class SoftmaxLayer(nn.Module):
-    """The auxiliary softmax attention (§3.10) with H_soft heads: head h takes q^h (from block q_block),
+    """The auxiliary softmax attention (§2.5, App. D) with H_soft heads: head h takes q^h (from block q_block),
     k^h (k_block) and v^h (B0) into its first d_a coordinates (three-pass H-split maps), scores scaled by
     1/sqrt(d_a) (after RoPE for LLaMA-style models); causal among tokens, prefix columns masked.
     transpose=True: the dv backward, A^T mixing the values (row t uses column j iff j == t or j > t
@@ -578,8 +587,8 @@ class SoftmaxLayer(nn.Module):
 
 
 class ResidualGate(nn.Module):
-    """The block-level residual connection (§3.1: the only residuals): token rows B0 = input + chain
-    output, other channels and prefix rows from the chain."""
+    """The block-level residual connection (the simulator's only one, mirroring the auxiliary block's):
+    token rows B0 = input + chain output, other channels and prefix rows from the chain."""
 
     def __init__(self, cfg, dtype=None, device=None):
         super().__init__()
@@ -598,10 +607,10 @@ class Seq(nn.ModuleList):
         return e
 
 
-# ---------------------------------------------------------------------------- modules (§3.4 - §3.11)
+# ---------------------------------------------------------------------------- modules (App. C-H)
 
 def _ln_forward(cfg, dt, dev):
-    """LayerNorm forward (§3.8): tap x -> BS and B_{S-1}; group-norm B0 and B_{S-1}; Linear Forward
+    """LayerNorm forward (App. E): tap x -> BS and B_{S-1}; group-norm B0 and B_{S-1}; Linear Forward
     (diag gamma, beta). Memory: (N(x), x) in (B_{S-1}, BS)."""
     S = cfg.S
     return Seq([RouteLayer(cfg, {S - 1: [(0, 1.0)], S: [(0, 1.0)]}, dt, dev), NormLayer(cfg, [0, S - 1], dt, dev),
@@ -609,8 +618,8 @@ def _ln_forward(cfg, dt, dev):
 
 
 def _ln_backward(cfg, dt, dev):
-    """LayerNorm backward || bias descent (§3.8): gamma * dy (Linear Backward with diag gamma) || beta -=
-    lr sum dy; then x + eps gamma dy; group norm; (N(x + eps gamma dy) - N(x)) / eps."""
+    """LayerNorm backward || bias descent (§2.4, App. E, Def. E.2): gamma * dy (Linear Backward with
+    diag gamma) || beta -= lr sum dy; then x + eps gamma dy; group norm; (N(x + eps gamma dy) - N(x)) / eps."""
     S, eps = cfg.S, cfg.fd_eps
     has_beta = cfg.norm == "layernorm" and cfg.bias        # RMSNorm / bias-free LayerNorm: nothing to update
     return Seq([BackwardDescentLayer(cfg, 0.0, cfg.lr, descent=has_beta, dtype=dt, device=dev),
@@ -623,7 +632,7 @@ def _tap(cfg, dt, dev):
 
 
 class ForwardLayer(nn.Module):
-    """The modules that simulate the forward of one auxiliary block (§3.13)."""
+    """The modules that simulate the forward of one auxiliary block (Fig. 1)."""
 
     def __init__(self, cfg, dt, dev):
         super().__init__()
@@ -638,7 +647,7 @@ class ForwardLayer(nn.Module):
         self.res_attn = ResidualGate(cfg, dt, dev)
         self.ln2 = _ln_forward(cfg, dt, dev)
         self.ffn_init = RouteLayer(cfg, {1: [(0, 1.0)], 2: []}, dt, dev)        # r -> B1, accumulator B2 = 0
-        # one set of modules shared by the FFN chunks (§3.11)
+        # one set of modules shared by the FFN chunks (App. H)
         if cfg.mlp == "gelu":
             self.up = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])       # z = W_1 r + b_1 (memory r)
             self.act = Seq([_tap(cfg, dt, dev), ActLayer(cfg, dtype=dt, device=dev)])   # g = gelu(z) (memory z)
@@ -655,22 +664,22 @@ class ForwardLayer(nn.Module):
 
 
 class BackwardLayer(nn.Module):
-    """The [Backward || Descent] modules of one simulated auxiliary block (§3.13)."""
+    """The [Backward || Descent] modules of one simulated auxiliary block (Fig. 1)."""
 
     def __init__(self, cfg, dt, dev):
         super().__init__()
         lr = cfg.lr
         S, eps = cfg.S, cfg.fd_eps
-        lr_b = lr if cfg.bias else 0.0                  # bias-free models: bias descent off (§5.4 item 4)
+        lr_b = lr if cfg.bias else 0.0                  # bias-free models: bias descent off
         self.down = BackwardDescentLayer(cfg, lr, lr_b * cfg.mlp_out_bias_lr_mult / cfg.n_chunks, True, dt, dev)
         if cfg.mlp == "gelu":
-            # dz = (gelu(z + eps dg) - gelu(z)) / eps: one MLP, z from memory (§3.9)
+            # dz = (gelu(z + eps dg) - gelu(z)) / eps: one MLP, z from memory (App. F)
             self.act = ActLayer(cfg, {0: [(S, 1.0), (0, eps)], 1: [(S, 1.0)]},
                                 {0: [(0, 1.0 / eps), (1, -1.0 / eps)]}, dt, dev)
             self.up = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
         else:
             # (a, b) from memory, dm in B0: d_gate = silu(a + eps dm) b/eps - silu(a) b/eps -> B0,
-            # d_up = silu(a) dm -> B_{S-1}: one GLU layer with three hidden blocks (§5.4 item 2)
+            # d_up = silu(a) dm -> B_{S-1}: one GLU layer with three hidden blocks (Def. I.7)
             self.glu = GLULayer(cfg, {0: [(S - 1, 1.0), (0, eps)], 1: [(S - 1, 1.0)], 2: [(S - 1, 1.0)]},
                                 {0: [(S, 1.0 / eps)], 1: [(S, -1.0 / eps)], 2: [(0, 1.0)]},
                                 {0: [(0, 1.0), (1, 1.0)], S - 1: [(2, 1.0)]}, out_blocks=(0, S - 1),
@@ -724,7 +733,7 @@ class _Ctx:
 
 
 class TinT(nn.Module):
-    """The TinT simulator for a GPT-2-style auxiliary GPT (§5.3).
+    """The TinT simulator for an auxiliary GPT.
 
     Its parameters (`parameters()`) are the construction: they depend on the auxiliary *configuration*
     (sizes), on lr and fd_eps, never on the auxiliary weights, which are buffers (`load_aux`). One call
@@ -745,7 +754,8 @@ class TinT(nn.Module):
         self.keys = prefix_keys(cfg)
         self.key_index = {k: i for i, k in enumerate(self.keys)}
         D = cfg.n_embd
-        # auxiliary weights as data (weights-as-data, I8): not parameters, not saved with the simulator
+        # auxiliary weights as data: not parameters, not saved with the simulator (one instance serves every
+        # auxiliary model of its configuration)
         self.register_buffer("prefix_bank", torch.zeros(len(self.keys), cfg.K, cfg.D_s, dtype=dt, device=dev),
                              persistent=False)
         self.register_buffer("wte", torch.zeros(cfg.vocab_size, D, dtype=dt, device=dev), persistent=False)
@@ -803,7 +813,8 @@ class TinT(nn.Module):
                 sl = slice(ch * D, (ch + 1) * D)
                 for name, (wp, bp) in ins.items():
                     bank[(i, name, ch)] = encode_linear(wp[sl], None if bp is None else bp[sl], cfg)
-                # b_2 lives in chunk 0; every chunk's bias descends with lr / n_chunks: kappa = 1 (§7.4)
+                # b_2 lives in chunk 0; every chunk's bias descends with lr / n_chunks: kappa = 1 (the repo's
+                # choice; the authors' code stores b_2 / 4 in each of four chunks, so b_2 learns 4x: kappa = 4)
                 b2 = None if p["b_down"] is None else (p["b_down"] if ch == 0 else torch.zeros_like(p["b_down"]))
                 bank[(i, "down", ch)] = encode_linear(w_down[:, sl], b2, cfg)
         fp = final_params(aux_model)
@@ -837,7 +848,7 @@ class TinT(nn.Module):
         return _Ctx(onehot, {"tok2pre": tok2pre, "pre2train": pre2train, "causal": causal[None, None],
                              "vgrad": vgrad})
 
-    # ------------------------------------------------------------------ declared ops (as the official code)
+    # ------------------------------------------------------------------ declared ops (authors' code, Remark G.3)
 
     def _embed(self, idx):
         x = self.wte[idx]
