@@ -44,7 +44,7 @@ from model.tint.auxiliary import (
 
 # ---------------------------------------------------------------------------- layout and configuration
 #
-# Layout (arXiv:2307.01189 §2.2-2.3, App. C). D = n_embd, K prefix rows, S = D / K >= 3, D_s = (S + 1) D.
+# Layout (§2.2-2.3, App. C). D = n_embd, K prefix rows, S = D / K >= 3, D_s = (S + 1) D.
 # A row is a D_s vector seen as D_s / D channel blocks B0 .. BS of width D, each made of S shards of
 # K channels (shard index = channel // K; the grid of the linear modules is H_L = (S + 1) S rows of K).
 #   token rows:  B0 = the auxiliary signal; B1 .. BS = scratch and the memory a backward module needs
@@ -58,8 +58,8 @@ from model.tint.auxiliary import (
 # the prefix row; bias head s = S^2 + s reads the bias shard S^2 + s.
 
 class SideChannel:
-    """Copy-only store between simulator modules: `put` stores a clone, `get` returns a
-    clone. It holds no arithmetic, so a test can prove that all computation is in the modules."""
+    """Copy-only store between simulator modules: `put` stores a clone, `get` returns a clone. It holds no
+    arithmetic, so a test can prove that all computation is in the modules."""
 
     def __init__(self):
         self._store = {}
