@@ -43,7 +43,8 @@ def open_split(root, split, check_rows=True):
         array = zarr.open_array(path, mode="r", storage_options=options)
     except Exception as e:  # missing folder, not zarr, no gcsfs, ...: all end here with the path named
         raise ValueError(f"{path}: cannot open as a zarr array ({type(e).__name__}: {e}); expected LongCrawl64's "
-                         f"{ARRAYS[split]} (gsutil -m cp -r gs://longcrawl64 DIR; python -m data.prepare_longcrawl64)") from e
+                         f"{ARRAYS[split]} (gsutil -m cp -r gs://longcrawl64 DIR; python -m data.prepare_longcrawl64)"
+                         ) from e
     check_array(path, array, split, check_rows)
     return array
 

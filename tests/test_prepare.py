@@ -111,7 +111,7 @@ def test_missing_text_column_is_a_clear_error(tmp_path):
 
 def test_all_tokens_in_validation_is_an_error(tmp_path):
     (tmp_path / "a.txt").write_text("too short to train on")
-    with pytest.raises(ValueError, match="nothing for training"):
+    with pytest.raises(ValueError, match="nothing is left for training; give --val-tokens a value below 6"):
         prepare_text.main(["--source", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), "--workers", "1"])
 
 
@@ -204,9 +204,12 @@ def test_prepare_scripts_document_their_options(capsys):
             script.main(["--help"])
         usage = capsys.readouterr().out
         assert "--source" in usage and "--out" in usage
-    result = subprocess.run([sys.executable, "data/prepare_text.py", "--help"], cwd=REPO_ROOT,  # run as a script
-                            capture_output=True, text=True, check=True)
-    assert "--shard-tokens" in result.stdout and "--max-shards" in result.stdout
+    for name in ("prepare_text", "prepare_fineweb_edu", "prepare_longcrawl64"):
+        result = subprocess.run([sys.executable, "-m", f"data.{name}", "--help"], cwd=REPO_ROOT,
+                                capture_output=True, text=True, check=True)
+        assert result.stdout.startswith(f"usage: python -m data.{name} ")
+        assert f"python -m data.{name} --source" in result.stdout  # the examples show the command that works
+        assert "--max-" in result.stdout
 
 
 def hub_reachable():
