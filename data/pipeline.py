@@ -80,7 +80,7 @@ def prepare(units, out_dir, *, source, tokenizer="gpt2", ranks_path=None, val_to
         if problem and not overwrite:
             raise ValueError(f"{out_dir} already holds {problem}; use another output folder (--out), or pass "
                              "--overwrite to delete its shards and start over")
-        if problem:
+        if problem or _recorded_nothing(manifest):
             _delete_outputs(out_dir)
             manifest = None
         if manifest and manifest["complete"]:
@@ -153,6 +153,8 @@ class ShardWriter:
         split, tokens = self._split(), self.buffer[:self.fill]
         index = sum(s["split"] == split for s in self.manifest["shards"])
         name = f"{split}_{index:06d}.bin"
+        if not self.manifest["shards"]:  # recorded before the first shard, so a killed run leaves a folder it resumes
+            save_manifest(self.out_dir, self.manifest)
         sha256 = write_shard(self.out_dir / name, tokens)
         documents = int(np.count_nonzero(tokens == EOT))  # one EOT starts each document
         self.manifest["shards"].append(dict(file=name, split=split, tokens=len(tokens), documents=documents,
@@ -242,8 +244,18 @@ def save_manifest(out_dir, manifest):
     os.replace(tmp, out_dir / MANIFEST)
 
 
+def _recorded_nothing(manifest):
+    """A run of ours stopped before it recorded a shard: nothing to keep, whatever its settings.
+
+    Shard files beside such a manifest are its own (its folder had none when it started), e.g. one
+    renamed into place just before a kill -9 stopped the manifest's update."""
+    return manifest is not None and isinstance(manifest.get("settings"), dict) and not manifest["shards"]
+
+
 def _folder_problem(out_dir, manifest, settings):
     """What keeps `out_dir` from being resumed with `settings` ("" if nothing does)."""
+    if _recorded_nothing(manifest):
+        return ""
     if manifest is None:
         strays = sorted(p.name for p in _shard_files(out_dir))
         if not strays:

@@ -57,13 +57,14 @@ def expand_sources(sources):
             elif p.is_file():
                 files.add(str(p))
             else:
-                raise FileNotFoundError(f"source {source!r}: no such file or directory")
+                raise FileNotFoundError(f"source {source!r}: no such file or directory; check the path")
     if not files:
         raise FileNotFoundError(f"no input files found in {list(sources)} (looked for {', '.join(DIR_PATTERNS)}); "
                                 "name the files or the folder that holds them")
     files = sorted(files)
     if all(os.path.getsize(f) == 0 for f in files):
-        raise ValueError(f"the sources hold no data: all {len(files)} input files are empty ({files[0]}, ...)")
+        raise ValueError(f"the sources hold no data: all {len(files)} input files are empty ({files[0]}, ...); "
+                         "name files that hold documents")
     return files
 
 
@@ -154,7 +155,8 @@ def _read(path, n=-1):
 
 
 def _unreadable(path, e):
-    return ValueError(f"{path}: cannot decompress it ({type(e).__name__}: {e}); a truncated or corrupt .gz file?")
+    return ValueError(f"{path}: cannot decompress it ({type(e).__name__}: {e}); a truncated or corrupt .gz file: "
+                      "replace it or leave it out of the sources")
 
 
 def _decode(raw, stats):
@@ -173,7 +175,7 @@ def _parquet_file(path):
     try:
         return pq.ParquetFile(path)
     except pa.ArrowException as e:
-        raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+        raise ValueError(f"{path}: not a readable parquet file ({e}); replace it or leave it out of the sources") from e
 
 
 def _check_columns(where, columns, min_int_score):

@@ -3,7 +3,10 @@ import errno
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -270,6 +273,44 @@ def test_sample_preparation_is_safe_when_ranks_race(tmp_path):
     assert not errors
     names = sorted(p.name for p in (tmp_path / "sample").iterdir() if not p.name.startswith("."))
     assert names == ["manifest.json", "train_000000.bin", "val_000000.bin"]
+
+
+RANK = """
+import pathlib, sys, time
+from omegaconf import OmegaConf
+from data.loader import build_loader
+cfg, ready, go = OmegaConf.load(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+x, y = build_loader(cfg, "train", 4, 128).next_batch()
+print(int(x.sum()), int(y.sum()))
+"""
+
+
+@pytest.mark.slow
+def test_sample_preparation_is_safe_when_processes_race(tmp_path):
+    """Three processes (as torchrun ranks, or two runs) build the data=sample loader at the same instant:
+    one prepares, the others wait on the lock, all read the same complete shards."""
+    cfg = sample_config(tmp_path)
+    OmegaConf.save(cfg, tmp_path / "cfg.yaml")
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "cfg.yaml"), str(tmp_path / f"ready{r}"),
+                               str(tmp_path / "go")], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(3)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{r}").exists() for r in range(3)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    results = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err for _, err in results]
+    assert len({out for out, _ in results}) == 1  # every rank read the same first batch
+    reference = sample_config(tmp_path / "ref")
+    ensure_prepared(reference)
+    for name in ("train_000000.bin", "val_000000.bin"):
+        assert (tmp_path / "sample" / name).read_bytes() == (tmp_path / "ref" / "sample" / name).read_bytes()
+    assert json.loads((tmp_path / "sample" / "manifest.json").read_text())["complete"]
+    assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == [".lock", "manifest.json", "train_000000.bin",
+                                                                       "val_000000.bin"]
 
 
 def test_build_loader_without_shards_says_how_to_prepare(tmp_path):
