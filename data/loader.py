@@ -7,11 +7,11 @@ epoch). Ranks never overlap, and 2 ranks at step k read what 1 rank reads at ste
 The only state is an integer, `position`: stream tokens consumed by all ranks together.
 
 Every shard is scanned for token ids outside the tokenizer's vocabulary when the loader opens it
-(data/checks.py). The scan is one numpy max over a memory-mapped file, so it costs one sequential
-read of a shard the ranks are about to read anyway, and it reports the first bad id of the shard
-when the shard comes into use (at the first step, for data of a single shard) rather than at
-whichever later step reaches that id. Nothing is scanned up front: for a 50B-token dataset that
-would be a 100 GB read before the first step.
+(data/checks.py): a numpy max over the memory-mapped file, i.e. one sequential read of pages the
+ranks of a node read anyway, a small cost next to the training steps a shard feeds. It names the
+shard's first bad id as soon as the shard comes into use (at the first step, for data of one
+shard), not at whichever later step reaches the id. Shards are not scanned up front: for a
+50B-token dataset that would be a 100 GB read before the first step.
 """
 import collections
 

@@ -60,8 +60,8 @@ def prepare(units, out_dir, *, source, tokenizer="gpt2", ranks_path=None, val_to
     """Tokenize `units` into shards in `out_dir`; returns the manifest (a dict).
 
     `source` is recorded in the manifest. `max_shards` stops after writing that many shards in
-    this call (a later call resumes). A folder holding anything but an unfinished run of the same
-    settings (see the module docstring) is an error, unless `overwrite`, which deletes its shards first.
+    this call (a later call resumes). A folder holding anything but this preparation, finished or
+    not (see the module docstring), is an error, unless `overwrite`, which deletes its shards first.
     """
     if not 0 < shard_tokens <= MAX_SHARD_TOKENS or val_tokens < 0 or (max_tokens is not None and max_tokens <= 0):
         raise ValueError(f"need 0 < shard_tokens <= {MAX_SHARD_TOKENS}, val_tokens >= 0 and max_tokens > 0, "
@@ -326,6 +326,7 @@ def in_range(parse, low, high=None):
         if value < low or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {'inf' if high is None else high}]")
         return value
+    check.__name__ = parse.__name__  # argparse names it in "invalid int value: 'x'"
     return check
 
 
@@ -346,8 +347,8 @@ def add_prepare_args(parser, *, val_tokens, shard_tokens):
     parser.add_argument("--max-shards", type=in_range(int, 1),
                         help="stop after writing this many shards; running again resumes (to prepare in pieces)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="if --out holds anything but an unfinished run of these settings (another preparation, "
-                             "shards without manifest.json), delete its shards and start over")
+                        help="if --out holds anything but this preparation, finished or not (another preparation, "
+                             "shards without manifest.json, damaged shards), delete its shards and start over")
 
 
 def run_main(main):
