@@ -8,7 +8,7 @@ test tokens are scored side by side by
   * vanilla   the checkpoint, no update;
   * dyneval   exact-gradient dynamic evaluation with TinT's loss, lr and parameter set ("matched", §2.10);
   * dyneval_full (optional) exact gradients on every weight of the top blocks and the final norm;
-  * tint_ref  TinT's approximate one-step update computed directly (model/tint.py, reference);
+  * tint_ref  TinT's approximate one-step update computed directly (model/tint/reference.py);
   * tint_sim  the TinT simulator (GPT-2- and LLaMA-style checkpoints; expensive, so on the first
               `sim_batches` batches / `sim_examples` questions, with vanilla and tint_ref re-reported
               on exactly that subset and the largest |sim - ref| logit difference).
