@@ -46,12 +46,12 @@ from evaluation import ValSplit, check_int, check_list, check_number, evaluation
 from model.tint import (
     SimConfig,
     TinT,
-    check_aux_model,
     dyn_eval_reference,
     paper_param_formula,
     tint_param_formula,
     tint_reference,
 )
+from model.tint.auxiliary import check_aux_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO.parent / "shared" / "data" / "eval"
