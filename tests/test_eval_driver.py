@@ -24,6 +24,7 @@ import eval as eval_script
 from data.shards import write_shard
 from data.tokenizer import get_tokenizer
 import evaluation.results
+import evaluation.tint
 from evaluation import long_context, niah
 from evaluation.lm_eval_adapter import (GPTLM, PRESETS, check_limit, data_root, hub_reachable, paper_row,
                                         select_tasks, write_local_tasks)
@@ -488,6 +489,13 @@ def test_no_hub_and_no_local_copies_is_an_error_not_a_run_of_skips(tiny_checkpoi
                         "lm_eval.offline=auto", "lm_eval.data_root=/nonexistent/eval"])
     hub_reachable.cache_clear()
     assert "/nonexistent/eval" in message and "Hub does not answer" in message and "lm_eval.data_root" in message
+
+
+def test_unknown_tint_option_is_named():
+    """Hydra refuses tint.lrr=1 on the command line; a config built another way meets options()."""
+    ctx = types.SimpleNamespace(cfg=OmegaConf.create({"tint": {"lrr": 1}}))
+    with pytest.raises(ValueError, match=r"unknown tint options \['lrr'\]; valid: .*'lr'"):
+        evaluation.tint.options(ctx)
 
 
 @pytest.mark.slow        # indexes every task of the installed lm-eval (several seconds)
