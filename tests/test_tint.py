@@ -691,57 +691,6 @@ def test_softmax_attention_modules(transpose):
     assert _kept(out, e, cfg, [0])
 
 
-# ---------------------------------------------------------------------------- the eval.py driver
-
-def test_tint_eval_driver(monkeypatch, tmp_path):
-    """evaluation/tint.py end to end on a tiny model: held-out text (stub loader) and a multiple-choice
-    file (stub tokenizer); the simulator's parameter count is checked against the formula, and its
-    logits agree with the reference on the subset it scores."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    import data.loader
-    import evaluation.tint
-    from evaluation import EVALUATIONS
-
-    class Loader:
-        def next_batch(self):
-            x = torch.randint(0, V, (2, 14))
-            return x, x
-
-    class Tok:
-        eot_token = 0
-
-        def encode_ordinary(self, text):
-            return [1 + (b % (V - 1)) for b in text.encode()]
-
-    monkeypatch.setattr(data.loader, "build_loader", lambda cfg, split, B, L: Loader())
-    task = tmp_path / "mc.jsonl"
-    task.write_text("\n".join(json.dumps({"query": f"Question: q{i}?", "choices": ["ab", "c"], "gold": i % 2})
-                              for i in range(3)))
-    cfg = OmegaConf.create({"tint": {"lr": 1e-2, "dtype": "fp64", "train_fracs": [0.5], "batch_size": 2,
-                                     "batches": 2, "sim_batches": 1, "task": "arc_easy", "task_path": str(task),
-                                     "task_examples": 3, "sim_examples": 2}})
-
-    class Ctx:
-        pass
-
-    ctx = Ctx()
-    ctx.cfg, ctx.data_cfg, ctx.seq_len, ctx.device = cfg, OmegaConf.create({"tokenizer": "gpt2"}), 14, "cpu"
-    ctx.tokenizer = Tok()
-    res = EVALUATIONS["tint"](aux().float(), ctx)
-    json.dumps(res)
-    assert res["simulator"]["params_built"] == res["simulator"]["params_formula"]
-    text = res["text"]["frac_0.5"]
-    assert text["n_train"] == 7 and set(text["perplexity"]) == {"vanilla", "dyneval", "tint_ref"}
-    assert text["sim_subset"]["max_abs_logit_diff_sim_vs_ref"] <= 1e-8
-    assert res["task"]["examples"] == 3
-    assert set(res["task"]["sim_subset"]["acc"]) == {"vanilla", "dyneval", "tint_ref", "tint_sim"}
-    with pytest.raises(ValueError):
-        evaluation.tint.options(type("C", (), {"cfg": OmegaConf.create({"tint": {"lrr": 1}})})())
-
-
 def test_default_config_matches_driver_defaults():
     from omegaconf import OmegaConf
 
