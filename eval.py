@@ -20,17 +20,19 @@ import evaluation.heldout  # noqa: F401  (registers "heldout")
 import evaluation.lm_eval_adapter  # noqa: F401  (registers "lm_eval")
 import evaluation.long_context  # noqa: F401  (registers "long_context")
 import evaluation.niah  # noqa: F401  (registers "niah")
+import evaluation.results
 import evaluation.tint  # noqa: F401  (registers "tint")
 from evaluation import EVALUATIONS, Context
-from model.checkpoint import atomic_write, load_model
-from model.runtime import DEVICE, check_options, entry_point, integer, one_of, optional, text
+from evaluation import check_options as check_evaluation_options
+from model.checkpoint import load_model
+from model.runtime import DEVICE, check_options, entry_point, one_of, optional, text
 
-OPTIONS = {"ckpt": text(), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"), "out": optional(text()),
-           "eval.val_tokens": optional(integer(1)), "eval.batch_size": integer(1), "eval.seq_len": optional(integer(1))}
+OPTIONS = {"ckpt": text(), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"), "out": optional(text())}
 
 
 def check_eval_options(cfg):
-    """eval.py's own options and the task list, before the model is loaded."""
+    """eval.py's own options and the task list, before the model is loaded (each evaluation's
+    options are checked once the model is known, before the first evaluation runs)."""
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("ckpt is missing: pass ckpt=RUN_DIR (its newest readable checkpoint) or ckpt=FILE.pt")
     if isinstance(cfg.eval.tasks, str):     # eval.tasks=heldout means [heldout]
@@ -42,9 +44,7 @@ def check_eval_options(cfg):
     if (cfg.lm_eval.preset or cfg.lm_eval.tasks) and "lm_eval" not in cfg.eval.tasks:
         raise ValueError("lm_eval.preset / lm_eval.tasks are set but eval.tasks has no lm_eval; "
                          "add it, e.g. eval.tasks=[lm_eval]")
-    values = {"ckpt": cfg.ckpt, "device": cfg.device, "dtype": cfg.dtype, "out": cfg.out,
-              **{f"eval.{k}": v for k, v in OmegaConf.to_container(cfg.eval).items()}}
-    check_options(values, OPTIONS)
+    check_options({key: OmegaConf.select(cfg, key) for key in OPTIONS}, OPTIONS)
 
 
 def run(cfg):
@@ -52,35 +52,19 @@ def run(cfg):
     model, train_cfg, device, ckpt_path = load_model(cfg.ckpt, cfg.device, cfg.dtype)
     out = cfg.out or os.path.join(os.path.dirname(ckpt_path), "results.json")
     ctx = Context(cfg, train_cfg, device, ckpt_path, os.path.dirname(os.path.abspath(out)))
-    results = previous_results(out, ckpt_path)
+    check_evaluation_options(model, ctx)
+    results = evaluation.results.load(out, ckpt_path)
     results.update({"checkpoint": os.path.abspath(ckpt_path), "attention": train_cfg["model"]["attention"],
                     "n_params": model.num_params()})
     for name in cfg.eval.tasks:
         t0 = time.perf_counter()
         new = EVALUATIONS[name](model, ctx)
-        results[name] = merge(results.get(name, {}), new)
+        results[name] = evaluation.results.merge(results.get(name, {}), new)
         summary = json.dumps(new)
         print(f"{name}: {summary[:400] + ' ...' if len(summary) > 400 else summary} ({time.perf_counter() - t0:.1f}s)")
-    # atomic: earlier results survive a crash here
-    atomic_write(out, lambda f: f.write(json.dumps(results, indent=2).encode()))
+    evaluation.results.save(out, results)
     print(f"wrote {out}")
     return results
-
-
-def previous_results(path, ckpt_path):
-    """The results already in `path` for this same checkpoint file, else a fresh dict."""
-    if not os.path.isfile(path):
-        return {}
-    with open(path) as f:
-        old = json.load(f)
-    return old if old.get("checkpoint") == os.path.abspath(ckpt_path) else {}
-
-
-def merge(old, new):
-    """Nested dicts: the new values win, keys only the old one has stay."""
-    for key, value in new.items():
-        old[key] = merge(old[key], value) if isinstance(value, dict) and isinstance(old.get(key), dict) else value
-    return old
 
 
 @entry_point("evaluate")

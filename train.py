@@ -94,10 +94,10 @@ def build_model_config(cfg):
     values = OmegaConf.to_container(cfg.model, resolve=True)
     check_dataclass_types(GPTConfig, values, "model.")
     n_vocab = tokenizer_for(cfg.data).n_vocab
-    config = GPTConfig.from_dict({**values, "tokenizer_vocab_size": n_vocab})
-    if config.vocab_size < n_vocab:
-        raise ValueError(f"model.vocab_size={config.vocab_size} is smaller than the tokenizer's {n_vocab} "
+    if values.get("vocab_size", n_vocab) < n_vocab:
+        raise ValueError(f"model.vocab_size={values['vocab_size']} is smaller than the tokenizer's {n_vocab} "
                          "tokens; use 50304 (GPT-2's 50257 padded to a multiple of 64)")
+    config = GPTConfig.from_dict({**values, "tokenizer_vocab_size": n_vocab})
     if config.block_size < cfg.train.seq_len:
         raise ValueError(f"model.block_size={config.block_size} is smaller than train.seq_len={cfg.train.seq_len}: "
                          "positions past block_size have no position table; leave model.block_size at its "

@@ -5,10 +5,16 @@ order, each document as [EOT] + encode_ordinary(text), and the resulting token s
 into shards: the first `val_tokens` tokens form `val_000000.bin`, the rest `train_NNNNNN.bin` of
 exactly `shard_tokens` each (the last one shorter), until the sources or `max_tokens` train
 tokens run out. After each shard, `manifest.json` records it (tokens, documents, sha256) and the
-stream position (unit, token offset in it), both written atomically. So an interrupted run
-resumes exactly where its last shard ended, never leaves a half shard, produces the same bytes
-as an uninterrupted one, and a finished run re-run is a no-op. A lock file serializes
-concurrent runs on one folder (e.g. several ranks preparing the bundled sample at once).
+stream position (unit, token offset in it), both written atomically (temp file, fsync, rename).
+So an interrupted run (even by kill -9) resumes exactly where its last shard ended, never leaves
+a half shard under a shard's name, produces the same bytes as an uninterrupted one, and a
+finished run re-run is a no-op; until it finishes, the manifest says `complete: false` and the
+loader refuses the folder. A lock file serializes concurrent runs on one folder (e.g. several
+ranks preparing the bundled sample at once): the others wait, then find the work done.
+
+An output folder is only ever resumed or, with `overwrite`, emptied of shards: a folder holding
+another preparation, a foreign manifest or shards without a manifest is refused, so shards of
+two preparations never mix.
 """
 import argparse
 import collections
@@ -20,13 +26,14 @@ import json
 import multiprocessing
 import os
 import re
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
-from data.shards import shard_num_tokens, write_shard
+from data.shards import MAX_SHARD_TOKENS, shard_num_tokens, write_shard
 from data.sources import read_documents
 from data.tokenizer import EOT, get_tokenizer
 
@@ -53,24 +60,27 @@ def prepare(units, out_dir, *, source, tokenizer="gpt2", ranks_path=None, val_to
     """Tokenize `units` into shards in `out_dir`; returns the manifest (a dict).
 
     `source` is recorded in the manifest. `max_shards` stops after writing that many shards in
-    this call (a later call resumes). A folder holding a different preparation is an error,
-    unless `overwrite`, which deletes its shards first.
+    this call (a later call resumes). A folder holding anything but this preparation, finished or
+    not (see the module docstring), is an error, unless `overwrite`, which deletes its shards first.
     """
-    if shard_tokens <= 0 or val_tokens < 0:
-        raise ValueError(f"need shard_tokens > 0 and val_tokens >= 0, got {shard_tokens} and {val_tokens}")
+    if not 0 < shard_tokens <= MAX_SHARD_TOKENS or val_tokens < 0 or (max_tokens is not None and max_tokens <= 0):
+        raise ValueError(f"need 0 < shard_tokens <= {MAX_SHARD_TOKENS}, val_tokens >= 0 and max_tokens > 0, "
+                         f"got {shard_tokens}, {val_tokens} and {max_tokens}")
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"output folder {out_dir} is a file; name a folder (--out)")
+    get_tokenizer(tokenizer, ranks_path)  # a missing ranks file fails here, not in every worker
     out_dir.mkdir(parents=True, exist_ok=True)
     settings = dict(source=source, tokenizer=tokenizer, val_tokens=val_tokens, shard_tokens=shard_tokens,
                     max_tokens=max_tokens, min_int_score=min_int_score, units=len(units),
                     units_sha256=_fingerprint(units))
     with locked(out_dir):
         manifest = load_manifest(out_dir)
-        problem = manifest and (_settings_diff(manifest["settings"], settings) or
-                                (manifest["complete"] and _shards_problem(out_dir, manifest)))
+        problem = _folder_problem(out_dir, manifest, settings)
         if problem and not overwrite:
-            raise ValueError(f"{out_dir} already holds a different or damaged preparation ({problem}); "
-                             "use another output folder or pass --overwrite")
-        if problem:
+            raise ValueError(f"{out_dir} already holds {problem}; use another output folder (--out), or pass "
+                             "--overwrite to delete its shards and start over")
+        if problem or _recorded_nothing(manifest):
             _delete_outputs(out_dir)
             manifest = None
         if manifest and manifest["complete"]:
@@ -121,18 +131,30 @@ class ShardWriter:
         self.unit_stats.update(stats)
 
     def finish(self, n_units):
+        if self.manifest["tokens"]["train"] == 0 and (self._split() == "val" or self.fill == 0):
+            raise self._nothing_to_train_on()  # before a short val shard is written: a rerun starts clean
         if self.fill:
             self._flush(state=dict(unit=n_units, offset=0))
-        if self.manifest["tokens"]["train"] == 0:
-            raise ValueError(f"the sources gave {self.manifest['tokens']['val']} tokens, all used by the "
-                             f"validation split (val_tokens={self.settings['val_tokens']}); nothing for training")
         self.manifest["complete"] = True
         save_manifest(self.out_dir, self.manifest)
+
+    def _nothing_to_train_on(self):
+        total = self.manifest["tokens"]["val"] + self.fill
+        if total == 0:
+            counts = collections.Counter(self.manifest["counts"]) + self.unit_stats
+            return ValueError(f"the sources hold no documents ({dict(counts)}); check the source files "
+                              "(and --min-int-score)")
+        again = " and pass --overwrite" if self.manifest["shards"] else ""
+        return ValueError(f"the sources gave {total:,} tokens, no more than the validation split takes "
+                          f"(--val-tokens {self.settings['val_tokens']:,}): nothing is left for training; "
+                          f"give --val-tokens a value below {total:,}{again}")
 
     def _flush(self, state):
         split, tokens = self._split(), self.buffer[:self.fill]
         index = sum(s["split"] == split for s in self.manifest["shards"])
         name = f"{split}_{index:06d}.bin"
+        if not self.manifest["shards"]:  # recorded before the first shard, so a killed run leaves a folder it resumes
+            save_manifest(self.out_dir, self.manifest)
         sha256 = write_shard(self.out_dir / name, tokens)
         documents = int(np.count_nonzero(tokens == EOT))  # one EOT starts each document
         self.manifest["shards"].append(dict(file=name, split=split, tokens=len(tokens), documents=documents,
@@ -203,14 +225,49 @@ def _new_manifest(settings):
 
 
 def load_manifest(out_dir):
-    path = out_dir / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else None
+    path = Path(out_dir) / MANIFEST
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not a readable manifest ({e}); the prepare scripts write it atomically, so it "
+                         "was changed by hand or by another program: remove it, or use another folder") from e
 
 
 def save_manifest(out_dir, manifest):
     tmp = out_dir / f"{MANIFEST}.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(manifest, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())  # the manifest never points at data a crash could lose
     os.replace(tmp, out_dir / MANIFEST)
+
+
+def _recorded_nothing(manifest):
+    """A run of ours stopped before it recorded a shard: nothing to keep, whatever its settings.
+
+    Shard files beside such a manifest are its own (its folder had none when it started), e.g. one
+    renamed into place just before a kill -9 stopped the manifest's update."""
+    return manifest is not None and isinstance(manifest.get("settings"), dict) and not manifest["shards"]
+
+
+def _folder_problem(out_dir, manifest, settings):
+    """What keeps `out_dir` from being resumed with `settings` ("" if nothing does)."""
+    if _recorded_nothing(manifest):
+        return ""
+    if manifest is None:
+        strays = sorted(p.name for p in _shard_files(out_dir))
+        if not strays:
+            return ""
+        return f"shards without a {MANIFEST} ({', '.join(strays[:3])}{', ...' if len(strays) > 3 else ''})"
+    if not isinstance(manifest.get("settings"), dict):
+        return f"a {MANIFEST} that is not a shard preparation's (a LongCrawl64 copy?)"
+    diff = _settings_diff(manifest["settings"], settings)
+    if diff:
+        return f"a preparation with other settings ({diff})"
+    damage = manifest["complete"] and _shards_problem(out_dir, manifest)
+    return f"a damaged preparation ({damage})" if damage else ""
 
 
 def _settings_diff(old, new):
@@ -229,8 +286,12 @@ def _shards_problem(out_dir, manifest):
     return ""
 
 
+def _shard_files(out_dir):
+    return [*out_dir.glob("train_*.bin"), *out_dir.glob("val_*.bin")]
+
+
 def _delete_outputs(out_dir):
-    for path in [*out_dir.glob("train_*.bin"), *out_dir.glob("val_*.bin"), out_dir / MANIFEST]:
+    for path in [*_shard_files(out_dir), out_dir / MANIFEST]:
         path.unlink(missing_ok=True)
 
 
@@ -241,7 +302,7 @@ def locked(out_dir):
         yield
 
 
-# ---- command line, shared by the prepare_*.py scripts ----
+# ---- command line, shared by the prepare scripts ----
 
 def parse_count(text):
     """'100M' -> 100_000_000; also K, G/B, plain ints and 1e8."""
@@ -249,7 +310,24 @@ def parse_count(text):
     if not m:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (examples: 5000, 100M, 10B)")
     scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}[m[2].lower()]
-    return int(float(m[1]) * scale)
+    try:
+        value = float(m[1]) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (examples: 5000, 100M, 10B)") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r} = {value}")
+    return int(value)
+
+
+def in_range(parse, low, high=None):
+    """An argparse type: `parse`, then demand low <= value (<= high)."""
+    def check(text):
+        value = parse(text)
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is not in [{low}, {'inf' if high is None else high}]")
+        return value
+    check.__name__ = parse.__name__  # argparse names it in "invalid int value: 'x'"
+    return check
 
 
 def add_prepare_args(parser, *, val_tokens, shard_tokens):
@@ -258,18 +336,29 @@ def add_prepare_args(parser, *, val_tokens, shard_tokens):
                         help="gpt2: tiktoken GPT-2 BPE; gpt2_json: the same on JSON-escaped text (LongCrawl64 style)")
     parser.add_argument("--ranks-path",
                         help="local r50k_base.tiktoken (default: $GPT2_RANKS_PATH, then the bundled copy)")
-    parser.add_argument("--val-tokens", type=parse_count, default=val_tokens,
+    parser.add_argument("--val-tokens", type=in_range(parse_count, 0), default=val_tokens,
                         help="tokens at the start of the stream that form the validation shard (default %(default)s)")
-    parser.add_argument("--shard-tokens", type=parse_count, default=shard_tokens,
+    parser.add_argument("--shard-tokens", type=in_range(parse_count, 1, MAX_SHARD_TOKENS), default=shard_tokens,
                         help="tokens per training shard (default %(default)s)")
-    parser.add_argument("--max-tokens", type=parse_count,
+    parser.add_argument("--max-tokens", type=in_range(parse_count, 1),
                         help="token budget: stop after this many training tokens (default: all of the source)")
-    parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)),
+    parser.add_argument("--workers", type=in_range(int, 1), default=len(os.sched_getaffinity(0)),
                         help="tokenizer processes (default: all cores, %(default)s)")
-    parser.add_argument("--max-shards", type=int,
+    parser.add_argument("--max-shards", type=in_range(int, 1),
                         help="stop after writing this many shards; running again resumes (to prepare in pieces)")
     parser.add_argument("--overwrite", action="store_true",
-                        help="if --out holds a preparation with other settings, delete its shards and start over")
+                        help="if --out holds anything but this preparation, finished or not (another preparation, "
+                             "shards without manifest.json, damaged shards), delete its shards and start over")
+
+
+def run_main(main):
+    """Run a prepare script's `main` from the command line: a user error (ValueError, FileNotFoundError)
+    prints as one line and exits 2, as argparse's own errors do; anything else is a bug and keeps its traceback."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def prepare_from_args(args, units, source, min_int_score=None):

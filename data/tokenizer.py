@@ -2,7 +2,10 @@
 
 `get_tokenizer("gpt2")` is a tiktoken Encoding built from a local ranks file when one is found, so
 machines without internet work; `get_tokenizer("gpt2_json")` wraps it the way LongCrawl64 was
-tokenized (fox.md §6). Where the GPT-2 ranks come from, first hit wins:
+tokenized for FoX (arXiv:2503.02130): on JSON-escaped text, as the FoX code release's tokenizer
+(zhixuan-lin/longcrawl64-json-gpt2-tokenizer on the Hugging Face Hub) does.
+
+Where the GPT-2 ranks come from, first hit wins:
 
 1. the `ranks_path` argument, 2. the `GPT2_RANKS_PATH` environment variable,
 3. the bundled `data/sample/r50k_base.tiktoken`, 4. tiktoken's own download (needs network;
@@ -94,7 +97,7 @@ def json_unescape(s):
 
 
 class JSONGPT2Tokenizer:
-    """GPT-2 BPE applied to the JSON-escaped text, as LongCrawl64 was built (fox.md §6).
+    """GPT-2 BPE applied to the JSON-escaped text, as LongCrawl64 was built (see the module docstring).
 
     A newline is encoded as the two characters `\\` `n`, quotes as `\\"`, non-ASCII as `\\uXXXX`;
     `decode` turns them back. Evaluation prompts on LongCrawl64 models must go through this.

@@ -1,35 +1,162 @@
 """Evaluations that eval.py runs on a checkpoint. Each module registers functions with
-`@evaluation("name")`; a function takes (model, ctx: Context) and returns a JSON-able dict."""
+`@evaluation("name", check=settings)`; the evaluation takes (model, ctx: Context) and returns a
+JSON-able dict, its `settings(model, ctx)` validates and resolves that evaluation's options.
+
+Bad options are user errors (ValueError / FileNotFoundError naming the option and the fix), found
+before any evaluation runs: `check_options` runs the `settings` of every evaluation in eval.tasks
+first, and each evaluation calls its own `settings` again when it starts.
+
+Held-out sequences are never read twice. When the val split holds fewer distinct sequences than
+an option asks for, the evaluation uses all it holds, warns, naming the option, and records the
+count it used next to the requested one in its results.
+"""
+import warnings
+
 from omegaconf import OmegaConf
 
+from data.loader import build_loader
+from data.longcrawl64 import DOC_LEN, LongCrawl64Loader
 from data.tokenizer import tokenizer_for
 
 EVALUATIONS = {}
+CHECKS = {}
 
 
-def evaluation(name):
+def evaluation(name, check):
     def register(fn):
-        EVALUATIONS[name] = fn
+        EVALUATIONS[name], CHECKS[name] = fn, check
         return fn
     return register
+
+
+def check_options(model, ctx):
+    """The options of every evaluation in eval.tasks, checked before the first one starts."""
+    for name in ctx.cfg.eval.tasks:
+        CHECKS[name](model, ctx)
 
 
 class Context:
     """What an evaluation needs besides the model.
 
     cfg: eval.py's Hydra config; train_cfg: the checkpoint's resolved training config (dict);
-    device; ckpt_path; data_cfg: the data config (eval.py's `data=` override or the checkpoint's);
-    seq_len: eval.seq_len or the training context; out_dir: where files (plots, CSV) go;
-    tokenizer: the checkpoint's own.
+    device; ckpt_path; data_cfg: the data config (eval.py's `data=` override, tokenized like the
+    checkpoint's data, or the checkpoint's own); seq_len: eval.seq_len or the training context;
+    out_dir: where files (plots, CSV) go; tokenizer: the checkpoint's own.
     """
 
     def __init__(self, cfg, train_cfg, device, ckpt_path, out_dir):
         self.cfg, self.train_cfg, self.device, self.ckpt_path = cfg, train_cfg, device, ckpt_path
         self.data_cfg = cfg.data if cfg.get("data") else OmegaConf.create(train_cfg["data"])
-        self.seq_len = cfg.eval.seq_len or train_cfg["train"]["seq_len"]
+        trained_on = train_cfg["data"].get("tokenizer", "gpt2")
+        if self.data_cfg.get("tokenizer", "gpt2") != trained_on:
+            raise ValueError(f"data={self.data_cfg.name} is tokenized with {self.data_cfg.get('tokenizer', 'gpt2')}, "
+                             f"but the checkpoint was trained on {trained_on} tokens; evaluate on data tokenized "
+                             f"with {trained_on} (or leave data= out: the checkpoint's own data)")
+        self.seq_len = check_int(cfg.eval.seq_len, "eval.seq_len", none=True) or train_cfg["train"]["seq_len"]
         self.out_dir = out_dir
 
     @property
     def tokenizer(self):
         """The tokenizer the checkpoint was trained with (gpt2, or gpt2_json for LongCrawl64)."""
         return tokenizer_for(self.train_cfg["data"])
+
+
+# ----------------------------------------------------------------------------- option checks
+
+def shown(value):
+    """A config value as the user writes it on the command line."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
+        return "[" + ",".join(shown(v) for v in value) + "]"
+    return str(value)
+
+
+def check_int(value, option, low=1, high=None, none=False):
+    """`value` if it is an integer in [low, high] (or None when `none`), else a ValueError naming `option`."""
+    if value is None and none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        valid = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
+        raise ValueError(f"{option}={shown(value)} is invalid: it must be {valid}" + (" or null" if none else ""))
+    return value
+
+
+def check_number(value, option, low=None, high=None, open_low=False, open_high=False, none=False):
+    """`value` as a float if it is a number in the interval, else a ValueError naming `option`."""
+    if value is None and none:
+        return None
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    inside = number and not (low is not None and (value <= low if open_low else value < low)) \
+        and not (high is not None and (value >= high if open_high else value > high))
+    if not inside:
+        interval = ("(" if open_low else "[") + f"{'-inf' if low is None else low}, " \
+            f"{'inf' if high is None else high}" + (")" if open_high or high is None else "]")
+        raise ValueError(f"{option}={shown(value)} is invalid: it must be a number in {interval}"
+                         + (" or null" if none else ""))
+    return float(value)
+
+
+def check_list(value, option, choices=None, none=False):
+    """`value` (a list, or one item for a one-item list) as a list; items must be in `choices` when given."""
+    if value is None and none:
+        return None
+    items = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
+    if not items or (choices is not None and not set(items) <= set(choices)):
+        raise ValueError(f"{option}={shown(value)} is invalid: it must be a non-empty list of {sorted(choices)}"
+                         if choices is not None else f"{option} is empty: give at least one value, e.g. {option}=[...]")
+    return items
+
+
+def check_positions(model, seq_len, option):
+    """A model with learned positions reads at most block_size tokens."""
+    block = model.config.block_size
+    if model.config.pos == "learned" and seq_len > block:
+        raise ValueError(f"{option}={seq_len} is out of range: the model's learned positions stop at "
+                         f"block_size={block}; choose {option} in [1, {block}]")
+
+
+# ----------------------------------------------------------------------------- the val split
+
+class ValSplit:
+    """The val split of a data config: how many distinct sequences of a length it holds, and a loader
+    that serves them (data.loader wraps around at the end of the split; evaluations never let it)."""
+
+    def __init__(self, data_cfg):
+        self.data_cfg = data_cfg
+        probe = build_loader(data_cfg, "val", 1, 1)
+        if isinstance(probe, LongCrawl64Loader):    # documents of 65536 tokens; a sequence is a chunk of one
+            self.documents, self.doc_len = probe.rows, DOC_LEN
+            self.size = f"{self.documents:,} documents of {DOC_LEN:,} tokens"
+        else:                                       # one stream of shard tokens
+            self.tokens, self.doc_len = int(probe.offsets[-1]), None
+            self.size = f"{self.tokens:,} tokens"
+
+    def sequences(self, seq_len, batch_size):
+        """Distinct sequences of seq_len tokens the loader serves, in whole batches, before it wraps."""
+        if self.doc_len:
+            return self.documents // batch_size * batch_size * (self.doc_len // seq_len)
+        return (self.tokens - 1) // (batch_size * seq_len) * batch_size     # +1 token for the targets
+
+    def check(self, seq_len, batch_size, seq_option, batch_option):
+        """seq_len must fit one batch of the split; the error names the option and the valid range."""
+        longest = self.doc_len if self.doc_len else (self.tokens - 1) // batch_size
+        if self.sequences(1, batch_size) == 0:
+            raise ValueError(f"{batch_option}={batch_size} is too large: the val split of data "
+                             f"'{self.data_cfg.name}' holds {self.size}; lower {batch_option}")
+        if not 1 <= seq_len <= longest:
+            raise ValueError(f"{seq_option}={seq_len} is out of range: the val split of data '{self.data_cfg.name}' "
+                             f"holds {self.size}, so with {batch_option}={batch_size} a sequence has 1 to "
+                             f"{longest:,} tokens; choose {seq_option} in [1, {longest}]")
+
+    def batches(self, wanted, seq_len, batch_size, option):
+        """(loader, batch count, sequence count) for at most `wanted` distinct sequences; fewer, with
+        a warning naming `option`, when the split holds fewer."""
+        available = self.sequences(seq_len, batch_size)
+        if wanted > available:
+            warnings.warn(f"{option} asks for {wanted} sequences of {seq_len} tokens but the val split of data "
+                          f"'{self.data_cfg.name}' holds {available} distinct ones ({self.size}); evaluating "
+                          f"those {available} (none twice)", stacklevel=2)
+        count = min(wanted, available)
+        loader = build_loader(self.data_cfg, "val", batch_size, seq_len)
+        return loader, -(-count // batch_size), count

@@ -4,20 +4,30 @@ import math
 
 import torch
 
-from data.loader import build_loader
-from evaluation import evaluation
+from evaluation import ValSplit, check_int, check_positions, evaluation
 
 
-@evaluation("heldout")
+def settings(model, ctx):
+    """(val split, batch size, sequence length, tokens asked for), checked: eval.batch_size, eval.seq_len
+    (null: the training context), eval.val_tokens (null: the data config's val_tokens)."""
+    B, T = check_int(ctx.cfg.eval.batch_size, "eval.batch_size"), ctx.seq_len
+    tokens = check_int(ctx.cfg.eval.val_tokens, "eval.val_tokens", none=True) or ctx.data_cfg.val_tokens
+    check_positions(model, T, "eval.seq_len")
+    split = ValSplit(ctx.data_cfg)
+    split.check(T, B, "eval.seq_len", "eval.batch_size")
+    return split, B, T, tokens
+
+
+@evaluation("heldout", check=settings)
 @torch.no_grad()
 def heldout_loss(model, ctx):
     """Mean next-token loss and perplexity over the first eval.val_tokens (default: the data
-    config's val_tokens) validation tokens."""
-    B, T = ctx.cfg.eval.batch_size, ctx.seq_len
-    loader = build_loader(ctx.data_cfg, "val", B, T)
-    steps = max(1, (ctx.cfg.eval.val_tokens or ctx.data_cfg.val_tokens) // (B * T))
+    config's val_tokens) validation tokens, in whole batches of eval.batch_size x seq_len."""
+    split, B, T, tokens = settings(model, ctx)
+    loader, steps, _ = split.batches(max(1, tokens // (B * T)) * B, T, B, f"eval.val_tokens ({tokens} tokens)")
     loss = mean_loss(model, loader, steps, ctx.device)
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": steps * B * T, "seq_len": T}
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": steps * B * T, "tokens_requested": tokens,
+            "seq_len": T}
 
 
 @torch.no_grad()

@@ -11,6 +11,8 @@
 Hugging Face Hub the tasks run from the local copies in ../shared/data/eval as `local_<task>`
 (evaluation/tasks/; its README.md lists how they differ from the official tasks).
 """
+import difflib
+import functools
 import os
 import shutil
 import tempfile
@@ -27,7 +29,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
-from evaluation import evaluation
+from evaluation import check_int, check_list, check_positions, evaluation, shown
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -140,7 +142,9 @@ class GPTLM(TemplateLM):
         until = [until] if isinstance(until, str) else list(until)
         max_new = kwargs.get("max_gen_toks", self.max_gen_toks)
         if max_new >= self.max_length:
-            raise ValueError(f"max_gen_toks={max_new} leaves no room for a prompt in max_length={self.max_length}")
+            raise ValueError(f"max_gen_toks={max_new} (the task's, else lm_eval.max_gen_toks) leaves no room for a "
+                             f"prompt in max_length={self.max_length} (lm_eval.max_length, null: the model's "
+                             "block_size); lower lm_eval.max_gen_toks or raise lm_eval.max_length")
         temperature = kwargs.get("temperature", 1.0) if kwargs.get("do_sample") else 0.0
         prompt = self._truncate(self.tok_encode(context), self.max_length - max_new)
         new = []
@@ -238,8 +242,7 @@ def write_local_tasks(dest, root):
     for path in dest.rglob("*.yaml"):
         text = path.read_text().replace("${EVAL_DATA}", str(root))
         path.write_text(text.replace("${LM_EVAL_TASKS}", str(LM_EVAL_TASKS)))
-    for official in sorted((LM_EVAL_TASKS / "mmlu" / "default").glob("mmlu_*.yaml")):
-        subject = official.stem.removeprefix("mmlu_")
+    for subject, official in mmlu_subjects():
         files = {split: str(root / "mmlu" / "hf_arrow" / subject / split / "data-00000-of-00001.arrow")
                  for split in ("dev", "test")}
         task = {"include": str(official), "task": f"local_mmlu_{subject}", "tag": "local_mmlu_tasks",
@@ -248,7 +251,15 @@ def write_local_tasks(dest, root):
     return dest
 
 
+def mmlu_subjects():
+    """(subject, official task YAML) for every subject of the installed lm-eval's MMLU."""
+    return [(path.stem.removeprefix("mmlu_"), path)
+            for path in sorted((LM_EVAL_TASKS / "mmlu" / "default").glob("mmlu_*.yaml"))]
+
+
+@functools.lru_cache(maxsize=None)
 def hub_reachable(timeout=3.0):
+    """Whether the Hugging Face Hub answers; asked once per process, so every check and run agrees."""
     if os.environ.get("HF_HUB_OFFLINE", "0") != "0" or os.environ.get("HF_DATASETS_OFFLINE", "0") != "0":
         return False
     try:
@@ -277,12 +288,36 @@ def select_tasks(preset, tasks, local):
     return [f"local_{n}" if n in LOCAL_TASKS else n for n in names if n not in skipped], skipped
 
 
-def load_tasks(task_manager, names):
-    """Task/Group objects for `names`; a task whose data cannot be fetched is reported, not fatal
-    (local_ tasks must always load: their failure is a bug)."""
-    unknown = [n for n in names if n not in task_manager.all_tasks and not os.path.isfile(n)]
+def local_task_names():
+    """The names write_local_tasks defines: local_<task>, the local_mmlu group, its subjects and tags."""
+    subjects = {f"local_mmlu_{subject}" for subject, _ in mmlu_subjects()}
+    return {f"local_{t}" for t in LOCAL_TASKS} | subjects | {"local_tasks", "local_mmlu_tasks"}
+
+
+@functools.lru_cache(maxsize=None)
+def indexed_task_names(include_path):
+    """Every task, group and tag name of the installed lm-eval and of `include_path` (indexing takes seconds)."""
+    return frozenset(lm_eval.tasks.TaskManager(include_path=include_path).all_tasks)
+
+
+def check_task_names(names, include_path):
+    """Unknown names are an error that says where names come from and how to list them."""
+    known = local_task_names()
+    unknown = [n for n in names if n not in known and not os.path.isfile(n)]
     if unknown:
-        raise ValueError(f"unknown lm-eval task(s) {unknown}: not in lm-eval, evaluation/tasks or lm_eval.include_path")
+        known |= indexed_task_names(include_path)
+        unknown = [n for n in unknown if n not in known]
+    if unknown:
+        hints = {n: difflib.get_close_matches(n, known, n=3) for n in unknown}
+        hint = "; ".join(f"{n}: did you mean {', '.join(m)}?" for n, m in hints.items() if m)
+        raise ValueError(f"lm_eval.tasks holds unknown lm-eval task(s) {unknown}: not in lm-eval, evaluation/tasks or "
+                         f"lm_eval.include_path{' (' + hint + ')' if hint else ''}. List the valid names with "
+                         "`lm-eval ls tasks` (add `--include_path DIR` for your own task YAMLs)")
+
+
+def load_tasks(task_manager, names):
+    """Task/Group objects for `names` (checked by check_task_names); a task whose data cannot be
+    fetched is reported, not fatal (local_ tasks must always load: their failure is a bug)."""
     objects, skipped = [], {}
     for name in names:
         try:
@@ -298,27 +333,82 @@ def load_tasks(task_manager, names):
 
 # ----------------------------------------------------------------------------- evaluation
 
-@evaluation("lm_eval")
-def run_lm_eval(model, ctx):
-    """Run a preset and/or lm_eval.tasks; returns {preset or "tasks": {"<k>-shot": harness results}}."""
+def check_limit(limit):
+    """lm-eval reads a float below 1 as a fraction of each task's documents and anything else as a count."""
+    fraction = isinstance(limit, float) and 0 < limit < 1
+    count = isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1
+    if not (limit is None or fraction or count):
+        raise ValueError(f"lm_eval.limit={shown(limit)} is invalid: it must be null (every document), an integer "
+                         ">= 1 (documents per task) or a fraction in (0, 1) of each task's documents, e.g. "
+                         "lm_eval.limit=100 or lm_eval.limit=0.1")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What run_lm_eval runs: the preset, task names, {skipped task: why}, whether the local copies
+    stand in for the Hub, where they are, and the user's include_path."""
+    preset: Preset | None
+    names: list
+    skipped: dict
+    local: bool
+    root: Path
+    include_path: str | None
+
+
+def settings(model, ctx):
+    """The lm_eval options, every one checked -> Plan."""
     c = ctx.cfg.lm_eval
     if not c.preset and not c.tasks:
         raise ValueError("eval.tasks has lm_eval but nothing to run: set lm_eval.preset=castle|fox|longbench "
                          "or lm_eval.tasks=[...]")
     if c.preset and c.preset not in PRESETS:
         raise ValueError(f"lm_eval.preset={c.preset!r} is unknown; choose one of {sorted(PRESETS)}")
+    tasks = check_list(c.tasks, "lm_eval.tasks") if c.tasks else []
+    if not all(isinstance(t, str) for t in tasks):
+        raise ValueError(f"lm_eval.tasks={shown(c.tasks)} is invalid: it must list task names, e.g. [hellaswag]")
+    check_limit(c.limit)
+    check_int(c.num_fewshot, "lm_eval.num_fewshot", low=0, none=True)
+    check_int(c.batch_tokens, "lm_eval.batch_tokens")
+    check_int(c.bootstrap_iters, "lm_eval.bootstrap_iters", low=0)
+    max_length = check_int(c.max_length, "lm_eval.max_length", low=2, none=True) or model.config.block_size
+    check_positions(model, max_length, "lm_eval.max_length")
+    check_int(c.max_gen_toks, "lm_eval.max_gen_toks")      # checked against max_length by generating tasks only
+    for option, allowed in (("add_bos", (True, False)), ("offline", (True, False, "auto"))):
+        if c[option] not in allowed:
+            raise ValueError(f"lm_eval.{option}={shown(c[option])} is invalid: it must be one of "
+                             f"{', '.join(map(shown, allowed))}")
+    include_path = str(Path(c.include_path).expanduser().resolve()) if c.include_path else None
+    if include_path and not os.path.isdir(include_path):
+        raise FileNotFoundError(f"lm_eval.include_path={c.include_path} is not a directory; point it at a folder "
+                                "of task YAMLs")
     preset = PRESETS[c.preset] if c.preset else None
     root = data_root(c.data_root)
     local = use_local_copies(c.offline, root)
+    names, skipped = select_tasks(preset, tasks, local)
+    needs_copies = local or set(names) & local_task_names() or (c.offline == "auto" and not hub_reachable())
+    if needs_copies and not root.is_dir():
+        raise FileNotFoundError(f"the local benchmark copies are not at {root} (lm_eval.data_root, else "
+                                f"$EVAL_DATA_ROOT, else {DEFAULT_DATA_ROOT})" + ("" if local else " and the Hugging "
+                                "Face Hub does not answer") + "; point lm_eval.data_root at them, or run with the "
+                                "Hub reachable and lm_eval.offline=false")
+    check_task_names(names, include_path)
+    return Plan(preset, names, skipped, local, root, include_path)
+
+
+@evaluation("lm_eval", check=settings)
+def run_lm_eval(model, ctx):
+    """Run a preset and/or lm_eval.tasks; returns {preset or "tasks": {"<k>-shot": harness results}}."""
+    c = ctx.cfg.lm_eval
+    plan = settings(model, ctx)
+    preset, names, skipped = plan.preset, plan.names, plan.skipped
     lm = GPTLM(model, ctx.tokenizer, max_length=c.max_length, batch_tokens=c.batch_tokens,
                add_bos=c.add_bos, max_gen_toks=c.max_gen_toks,
                truncation=preset.truncation if preset else "left", first_line=bool(preset and preset.first_line))
-    names, skipped = select_tasks(preset, c.tasks, local)
     shots = [c.num_fewshot] if c.num_fewshot is not None else list(preset.shots) if preset else [None]
-    out = {"settings": {"local_copies": local, "data_root": str(root) if local else None, "max_length": lm.max_length,
-                        "add_bos": lm.add_bos, "limit": c.limit, "tasks": names}}
+    out = {"settings": {"local_copies": plan.local, "data_root": str(plan.root) if plan.local else None,
+                        "max_length": lm.max_length, "add_bos": lm.add_bos, "limit": c.limit, "tasks": names}}
     with tempfile.TemporaryDirectory() as tmp:
-        include = [str(write_local_tasks(tmp, root))] + ([str(c.include_path)] if c.include_path else [])
+        include = [str(write_local_tasks(tmp, plan.root))] + ([plan.include_path] if plan.include_path else [])
         official = any(not name.startswith("local_") for name in names)    # indexing lm-eval's own tasks takes seconds
         task_manager = lm_eval.tasks.TaskManager(include_path=include, include_defaults=official)
         for k in shots:

@@ -6,7 +6,10 @@
 L(i) is the mean over M held-out sequences of -log p(token i), summed in float64; P(l) =
 exp(mean of L(1..l)) from the unsmoothed L. Plots smooth L with a centred moving average (101
 tokens, averaging over the part of the window inside the sequence at the edges). Every sequence is
-read in one forward pass of seq_len tokens: no sliding window. Writes long_context.csv (position,
+read in one forward pass of seq_len tokens: no sliding window, and no sequence twice: when the
+val split holds fewer than long_context.num_seqs distinct sequences of seq_len tokens, all of
+them are used, with a warning, and the results' num_seqs says how many (num_seqs_requested the
+setting). Writes long_context.csv (position,
 loss, smoothed loss) and long_context.png next to results.json.
 """
 import csv
@@ -17,8 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from data.loader import build_loader
-from evaluation import evaluation
+from evaluation import ValSplit, check_int, check_positions, evaluation
 
 
 @torch.no_grad()
@@ -31,6 +33,13 @@ def per_token_loss(model, batches, device):
         total = summed if total is None else total + summed
         count += x.size(0)
     return (total / count).cpu().numpy(), count
+
+
+def first_sequences(loader, count, batch_size):
+    """The loader's first `count` sequences as (x, y) batches, the last one cut to fit."""
+    for start in range(0, count, batch_size):
+        x, y = loader.next_batch()
+        yield x[:count - start], y[:count - start]
 
 
 def token_losses(logits, targets, chunk=4096):
@@ -88,28 +97,37 @@ def plot_curves(curves, png, window, train_len=None):
     plt.close(fig)
 
 
-def sequence_length(model, c, data_cfg, train_len):
-    """long_context.seq_len, else the data's val_seq_len, else 4x the training context; a model with
-    learned positions stops at its block_size."""
-    T = c.seq_len or data_cfg.get("val_seq_len") or 4 * train_len
-    if model.config.pos == "learned" and T > model.config.block_size:
-        T = model.config.block_size
-        print(f"long_context: the model's learned positions end at {T}; seq_len set to {T}")
-    return T
+def settings(model, ctx):
+    """(val split, seq_len, batch size) from the long_context options: every one checked, seq_len
+    resolved (long_context.seq_len, else the data's val_seq_len, else 4x the training context; the
+    default stops at the block_size of a model with learned positions, an explicit value must fit it)."""
+    c = ctx.cfg.long_context
+    for option in ("num_seqs", "batch_size", "smooth", "min_len"):
+        check_int(c[option], f"long_context.{option}")
+    T = check_int(c.seq_len, "long_context.seq_len", none=True)
+    if T is None:
+        T = ctx.data_cfg.get("val_seq_len") or 4 * ctx.train_cfg["train"]["seq_len"]
+        if model.config.pos == "learned" and T > model.config.block_size:
+            T = model.config.block_size
+            print(f"long_context: the model's learned positions end at {T}; seq_len set to {T}")
+    check_positions(model, T, "long_context.seq_len")
+    split = ValSplit(ctx.data_cfg)
+    split.check(T, c.batch_size, "long_context.seq_len", "long_context.batch_size")
+    return split, T, c.batch_size
 
 
-@evaluation("long_context")
+@evaluation("long_context", check=settings)
 def long_context(model, ctx):
     c = ctx.cfg.long_context
+    split, T, B = settings(model, ctx)
+    loader, _, count = split.batches(c.num_seqs, T, B, f"long_context.num_seqs={c.num_seqs}")
+    losses, count = per_token_loss(model, first_sequences(loader, count, B), ctx.device)
     train_len = ctx.train_cfg["train"]["seq_len"]
-    T = sequence_length(model, c, ctx.data_cfg, train_len)
-    loader = build_loader(ctx.data_cfg, "val", c.batch_size, T)
-    batches = (loader.next_batch() for _ in range(math.ceil(c.num_seqs / c.batch_size)))
-    losses, count = per_token_loss(model, batches, ctx.device)
     out = Path(ctx.out_dir)
     write_csv(out / "long_context.csv", losses, smooth(losses, c.smooth))
     label = f"{ctx.train_cfg['model']['attention']} ({Path(ctx.ckpt_path).parent.name})"
     plot_curves({label: (np.arange(1, T + 1), losses)}, out / "long_context.png", c.smooth, train_len)
-    return {"seq_len": T, "num_seqs": count, "train_seq_len": train_len, "loss": float(losses.mean()),
+    return {"seq_len": T, "num_seqs": count, "num_seqs_requested": c.num_seqs, "train_seq_len": train_len,
+            "loss": float(losses.mean()),
             "perplexity": {str(l): p for l, p in perplexity_by_length(losses, c.min_len).items()},
             "csv": str(out / "long_context.csv"), "png": str(out / "long_context.png")}

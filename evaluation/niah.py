@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from data.sample.tei_to_text import tei_to_text
-from evaluation import evaluation
+from evaluation import check_int, check_list, check_number, evaluation, shown
 from evaluation.lm_eval_adapter import REPO
 
 QUESTION = "What is the best thing to do in San Francisco?"
@@ -35,12 +35,6 @@ PAPER_LENGTHS = np.linspace(1000, 32000, 11)     # for a 16384-token training co
 DEFAULT_BOOKS = REPO.parent / "shared" / "data" / "books" / "eltec_eng"
 
 
-def grid_lengths(c, train_len):
-    if c.lengths:
-        return [int(l) for l in c.lengths]
-    return sorted({round(float(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)})
-
-
 def haystack(tokenizer, books_dir, n_tokens):
     """The first n_tokens tokens of the novels in books_dir (TEI .xml.gz, file-name order), blank-line separated."""
     ids = []
@@ -48,7 +42,8 @@ def haystack(tokenizer, books_dir, n_tokens):
         ids += tokenizer.encode_ordinary(tei_to_text(str(path)) + "\n\n")
         if len(ids) >= n_tokens:
             return ids[:n_tokens]
-    raise ValueError(f"the novels in {books_dir} hold {len(ids)} tokens, fewer than the {n_tokens} a haystack needs")
+    raise ValueError(f"the novels in niah.books_dir={books_dir} hold {len(ids)} tokens, fewer than the {n_tokens} the "
+                     "longest of niah.lengths needs; add novels or use shorter niah.lengths")
 
 
 def build_prompt(hay, needle, end, bos, depth, period_ids):
@@ -79,9 +74,6 @@ def run_mode(model, tokenizer, hay, mode, lengths, depths, c, device):
     records = []
     for length in lengths:
         n_hay = length - c.question_reserve - len(needle)
-        if n_hay <= 0:
-            raise ValueError(f"niah length {length} leaves no haystack after {c.question_reserve} reserved tokens "
-                             f"and a {len(needle)}-token needle")
         prompts = [build_prompt(hay[:n_hay], needle, end, tokenizer.eot_token, d, period_ids) for d in depths]
         answers = greedy_continuations(model, tokenizer, prompts, c.max_new_tokens, c.batch_size, device)
         records += [{"length": length, "depth": d, "prompt_tokens": len(p), "answer": a.strip(), "match": ANSWER in a}
@@ -106,22 +98,67 @@ def plot_heatmap(grid, lengths, depths, train_len, title, png):
     plt.close(fig)
 
 
-@evaluation("niah")
+def settings(model, ctx):
+    """(modes, lengths, depths, books_dir) from the niah options, every one checked."""
+    c = ctx.cfg.niah
+    modes = check_list(c.modes, "niah.modes", choices=NEEDLES)
+    for option in ("max_new_tokens", "batch_size"):
+        check_int(c[option], f"niah.{option}")
+    check_int(c.question_reserve, "niah.question_reserve", low=0)
+    depths = [check_number(d, "niah.depths", 0, 100) for d in check_list(c.depths, "niah.depths", none=True)
+              or np.linspace(0, 100, 11).round()]
+    needle = max(len(ctx.tokenizer.encode_ordinary(NEEDLES[mode])) for mode in modes)
+    lengths = prompt_lengths(model, c, needle, ctx.train_cfg["train"]["seq_len"])
+    books_dir = Path(c.books_dir or os.environ.get("BOOKS_DIR") or DEFAULT_BOOKS).expanduser()
+    if not any(books_dir.glob("*.xml.gz")):
+        raise FileNotFoundError(f"niah.books_dir={books_dir} holds no novels (*.xml.gz, TEI); point niah.books_dir "
+                                "(or $BOOKS_DIR) at a folder of them, e.g. ../shared/data/books/eltec_eng")
+    return modes, lengths, depths, books_dir
+
+
+def prompt_lengths(model, c, needle, train_len):
+    """niah.lengths, else the paper's grid scaled to the training context (from 512). A length must
+    leave a haystack after niah.question_reserve and the `needle` tokens; with learned positions it
+    must also leave niah.max_new_tokens before block_size: the default grid drops the lengths that
+    do not, explicit lengths must all fit."""
+    lengths = [check_int(l, "niah.lengths") for l in check_list(c.lengths, "niah.lengths", none=True) or []]
+    shortest = c.question_reserve + needle + 1
+    if lengths and min(lengths) < shortest:
+        raise ValueError(f"niah.lengths={shown(c.lengths)} holds {min(lengths)}, which leaves no haystack after "
+                         f"niah.question_reserve={c.question_reserve} tokens and a {needle}-token needle; "
+                         f"use lengths >= {shortest} or a smaller niah.question_reserve")
+    block, room = model.config.block_size, model.config.block_size - c.max_new_tokens
+    learned = model.config.pos == "learned"
+    if learned and room < shortest:
+        raise ValueError(f"niah does not fit this model: its learned positions stop at block_size={block}, but a "
+                         f"prompt needs >= {shortest} tokens (niah.question_reserve={c.question_reserve} + a {needle}-"
+                         f"token needle + 1) and niah.max_new_tokens={c.max_new_tokens} more; lower "
+                         "niah.question_reserve or niah.max_new_tokens, or drop niah from eval.tasks")
+    if learned and lengths and max(lengths) > room:
+        raise ValueError(f"niah.lengths={shown(c.lengths)} holds {max(lengths)}, but the model's learned positions "
+                         f"stop at block_size={block}, so with niah.max_new_tokens={c.max_new_tokens} a prompt has "
+                         f"at most {room} tokens; choose lengths in [{shortest}, {room}]")
+    if lengths:
+        return lengths
+    grid = sorted({round(float(l)) for l in np.maximum(PAPER_LENGTHS * train_len / 16384, 512)})
+    lengths = [l for l in grid if shortest <= l and (not learned or l <= room)]
+    if not lengths:
+        raise ValueError(f"none of the default niah lengths {grid} fits this model and niah.question_reserve; "
+                         f"set niah.lengths=[...] to lengths >= {shortest}" + (f" and <= {room}" if learned else ""))
+    return lengths
+
+
+@evaluation("niah", check=settings)
 def needle_in_a_haystack(model, ctx):
     c = ctx.cfg.niah
+    modes, lengths, depths, books_dir = settings(model, ctx)
     train_len = ctx.train_cfg["train"]["seq_len"]
     tokenizer = ctx.tokenizer
-    lengths, depths = grid_lengths(c, train_len), [float(d) for d in (c.depths or np.linspace(0, 100, 11).round())]
-    if model.config.pos == "learned":
-        lengths = [l for l in lengths if l + c.max_new_tokens <= model.config.block_size]
-        if not lengths:
-            raise ValueError(f"no niah length fits the learned positions of block_size={model.config.block_size}")
-    books_dir = c.books_dir or os.environ.get("BOOKS_DIR") or DEFAULT_BOOKS
     hay = haystack(tokenizer, books_dir, max(lengths))
     out = Path(ctx.out_dir)
     result = {"metric": "exact match of the needle's answer in the greedy continuation (not the paper's GPT-4o judge)",
               "lengths": lengths, "depths": depths, "train_seq_len": train_len}
-    for mode in c.modes:
+    for mode in modes:
         records = run_mode(model, tokenizer, hay, mode, lengths, depths, c, ctx.device)
         (out / f"niah_{mode}.json").write_text(json.dumps(records, indent=1))
         match = np.array([r["match"] for r in records], dtype=float).reshape(len(lengths), len(depths)).T

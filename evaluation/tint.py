@@ -8,7 +8,7 @@ test tokens are scored side by side by
   * vanilla   the checkpoint, no update;
   * dyneval   exact-gradient dynamic evaluation with TinT's loss, lr and parameter set ("matched", §2.10);
   * dyneval_full (optional) exact gradients on every weight of the top blocks and the final norm;
-  * tint_ref  TinT's approximate one-step update computed directly (model/tint.py, reference);
+  * tint_ref  TinT's approximate one-step update computed directly (model/tint/reference.py);
   * tint_sim  the TinT simulator (GPT-2- and LLaMA-style checkpoints; expensive, so on the first
               `sim_batches` batches / `sim_examples` questions, with vanilla and tint_ref re-reported
               on exactly that subset and the largest |sim - ref| logit difference).
@@ -26,7 +26,8 @@ scales like 1 / (number of training tokens): with ~500 training tokens start aro
 Options (`tint:` in the eval config; every key optional, defaults in DEFAULTS = configs/tint/default.yaml):
   lr, task_lr (null: lr), n_layers (null: all), n_steps, fd_eps, dtype (fp32 | fp64),
   methods (subset of [vanilla, dyneval, dyneval_full, tint_ref, tint_sim]),
-  train_fracs, seq_len (null: the eval context, capped at block_size), batch_size, batches, sim_batches,
+  train_fracs (each in (0, 1)), seq_len (null: the eval context, capped at block_size; at most block_size), batch_size,
+  batches (capped, with a warning, at the distinct sequences the val split holds), sim_batches,
   task (arc_easy | arc_challenge | openbookqa | piqa | null), task_path (null: <data_root>/<task>/...),
   data_root (null: $EVAL_DATA_ROOT, else ../shared/data/eval next to the repo), task_examples,
   sim_examples, task_shots, sim_K (null: default K = D / S), check_param_formula.
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from evaluation import evaluation
+from evaluation import ValSplit, check_int, check_list, check_number, evaluation, shown
 from model.tint import (
     SimConfig,
     TinT,
@@ -50,6 +51,7 @@ from model.tint import (
     tint_param_formula,
     tint_reference,
 )
+from model.tint.auxiliary import check_aux_model
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA_ROOT = REPO.parent / "shared" / "data" / "eval"
@@ -66,21 +68,101 @@ DEFAULTS = {"lr": 1e-4, "task_lr": None, "n_layers": None, "n_steps": 1, "fd_eps
 
 
 def options(ctx):
-    """DEFAULTS overridden by ctx.cfg.tint; unknown keys are an error (typos must not pass silently)."""
+    """DEFAULTS overridden by ctx.cfg.tint, every value checked (those that need no model); unknown
+    keys are an error (typos must not pass silently)."""
     user = ctx.cfg.get("tint", None) or {}
     user = dict(user.items()) if hasattr(user, "items") else dict(user)
     unknown = set(user) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown tint options {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
-    o = {**DEFAULTS, **{k: v for k, v in user.items()}}
-    o["methods"] = list(o["methods"])
-    o["train_fracs"] = [float(f) for f in o["train_fracs"]]
-    bad = set(o["methods"]) - set(METHODS)
-    if bad:
-        raise ValueError(f"unknown tint.methods {sorted(bad)}; choose from {METHODS}")
+    o = {**DEFAULTS, **user}
+    o["methods"] = check_list(o["methods"], "tint.methods", choices=METHODS)
+    o["train_fracs"] = [check_number(f, "tint.train_fracs", 0, 1, open_low=True, open_high=True)
+                        for f in o["train_fracs"] or []]
     if o["dtype"] not in ("fp32", "fp64"):
-        raise ValueError("tint.dtype must be fp32 or fp64")
+        raise ValueError(f"tint.dtype={shown(o['dtype'])} is invalid: it must be fp32 or fp64")
+    check_number(o["lr"], "tint.lr", low=0)
+    check_number(o["task_lr"], "tint.task_lr", low=0, none=True)
+    check_number(o["fd_eps"], "tint.fd_eps", low=0, open_low=True)
+    check_int(o["seq_len"], "tint.seq_len", low=2, none=True)
+    for name in ("n_steps", "batch_size", "batches", "task_examples"):
+        check_int(o[name], f"tint.{name}")
+    for name in ("sim_batches", "sim_examples", "task_shots"):
+        check_int(o[name], f"tint.{name}", low=0)
+    check_int(o["n_layers"], "tint.n_layers", none=True)
+    check_int(o["sim_K"], "tint.sim_K", none=True)
+    if not isinstance(o["check_param_formula"], bool):
+        raise ValueError(f"tint.check_param_formula={shown(o['check_param_formula'])} is invalid: it must be true "
+                         "or false")
+    if o["task"] is not None and o["task"] not in TASK_FILES:
+        raise ValueError(f"tint.task={shown(o['task'])} is unknown; choose one of {sorted(TASK_FILES)} "
+                         "or null (no task)")
+    if not o["train_fracs"] and o["task"] is None:
+        raise ValueError("tint has nothing to evaluate: tint.train_fracs is empty and tint.task is null; set either")
+    if "tint_sim" in o["methods"]:
+        for name, workload in (("sim_batches", o["train_fracs"]), ("sim_examples", o["task"])):
+            if workload and o[name] == 0:
+                raise ValueError(f"tint.{name}=0 leaves the simulator (tint_sim in tint.methods) nothing to score; "
+                                 f"set tint.{name} >= 1 or drop tint_sim from tint.methods")
+    if o["task"]:
+        check_task_file(o)
     return o
+
+
+def task_file(o):
+    """The multiple-choice file of tint.task: tint.task_path, else <data root>/<TASK_FILES entry>."""
+    if o["task_path"]:
+        return Path(o["task_path"]).expanduser()
+    root = Path(o["data_root"] or os.environ.get("EVAL_DATA_ROOT") or DEFAULT_DATA_ROOT).expanduser()
+    return root / TASK_FILES[o["task"]]
+
+
+def check_task_file(o):
+    """The task file (and piqa's labels) exist and hold more questions than tint.task_shots."""
+    path = task_file(o)
+    needed = [path] + ([path.with_name("valid-labels.lst")] if o["task"] == "piqa" else [])
+    for file in needed:
+        if not file.is_file():
+            raise FileNotFoundError(f"tint.task={o['task']} needs {file}, which does not exist; set "
+                                    "tint.task_path=FILE, tint.data_root=DIR (or $EVAL_DATA_ROOT), or tint.task=null "
+                                    "to skip the task")
+    questions = sum(1 for line in path.read_text().splitlines() if line.strip())
+    if o["task_shots"] >= questions:
+        raise ValueError(f"tint.task_shots={o['task_shots']} leaves no question to score: {path} holds {questions}; "
+                         "lower tint.task_shots")
+
+
+def settings(model, ctx):
+    """(options, val split, text sequence length): options() plus the checks that need the model:
+    TinT's auxiliary model must be a plain softmax-attention GPT, tint.n_layers must name layers it
+    has, tint.seq_len (null: the eval context, capped at block_size) fit its positions and the val
+    split, and the simulator be buildable with tint.sim_K. Split and length are None without text."""
+    try:
+        check_aux_model(model)
+    except ValueError as e:
+        raise ValueError(f"eval.tasks has tint, but this checkpoint cannot be TinT's auxiliary model ({e}); evaluate "
+                         "a checkpoint with attention=baseline (e.g. model=gpt2 or model=llama) or drop tint from "
+                         "eval.tasks") from None
+    o = options(ctx)
+    config = model.config
+    if o["n_layers"] is not None and o["n_layers"] > config.n_layer:
+        raise ValueError(f"tint.n_layers={o['n_layers']} is out of range: the model has {config.n_layer} layer(s); "
+                         f"choose tint.n_layers in [1, {config.n_layer}] or null (all)")
+    if o["seq_len"] is not None and o["seq_len"] > config.block_size:
+        raise ValueError(f"tint.seq_len={o['seq_len']} is out of range: TinT reads at most the model's block_size="
+                         f"{config.block_size} tokens; choose tint.seq_len in [2, {config.block_size}] or null")
+    if "tint_sim" in o["methods"] and sim_supported(config):
+        try:
+            simulator_size(config, o)
+        except ValueError as e:
+            raise ValueError(f"the TinT simulator cannot be built for this model with tint.sim_K={shown(o['sim_K'])} "
+                             f"({e}); set tint.sim_K=null (automatic) or drop tint_sim from tint.methods") from None
+    if not o["train_fracs"]:
+        return o, None, None
+    L = min(o["seq_len"] or ctx.seq_len, config.block_size)
+    split = ValSplit(ctx.data_cfg)
+    split.check(L, o["batch_size"], "tint.seq_len", "tint.batch_size")
+    return o, split, L
 
 
 def sim_supported(config):
@@ -117,13 +199,11 @@ def _nll(logits, targets):
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum").item()
 
 
-def text_eval(scorer, ctx, o, methods, device):
+def text_eval(scorer, split, L, o, methods, device):
     """Perplexity of the test segment (the tail of each held-out sequence) for every train fraction."""
-    from data.loader import build_loader
-    aux = scorer.aux
-    L = min(o["seq_len"] or ctx.seq_len, aux.config.block_size)
-    loader = build_loader(ctx.data_cfg, "val", o["batch_size"], L)
-    batches = [loader.next_batch()[0] for _ in range(o["batches"])]
+    loader, steps, sequences = split.batches(o["batches"] * o["batch_size"], L, o["batch_size"],
+                                             "tint.batches x tint.batch_size")
+    batches = [loader.next_batch()[0] for _ in range(steps)]
     out = {}
     for frac in o["train_fracs"]:
         n_train = min(max(2, round(frac * L)), L - 1)
@@ -150,7 +230,7 @@ def text_eval(scorer, ctx, o, methods, device):
                 n_sub += tgt.numel()
                 if "tint_sim" in got and "tint_ref" in got:
                     max_diff = max(max_diff, (got["tint_sim"] - got["tint_ref"]).abs().max().item())
-        res = {"n_train": n_train, "seq_len": L, "test_tokens": n_tok,
+        res = {"n_train": n_train, "seq_len": L, "sequences": sequences, "test_tokens": n_tok,
                "perplexity": {m: math.exp(tot[m] / n_tok) for m in methods if m != "tint_sim"}}
         if "tint_sim" in methods:
             res["sim_subset"] = {"test_tokens": n_sub,
@@ -164,9 +244,7 @@ def text_eval(scorer, ctx, o, methods, device):
 
 def load_task(o):
     """[(context, [choices], gold)] from the local copy (see TASK_FILES)."""
-    task = o["task"]
-    root = Path(o["data_root"] or os.environ.get("EVAL_DATA_ROOT") or DEFAULT_DATA_ROOT).expanduser()
-    path = Path(o["task_path"]).expanduser() if o["task_path"] else root / TASK_FILES[task]
+    task, path = o["task"], task_file(o)
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if task == "piqa" or "goal" in rows[0]:
         labels_path = path.with_name("valid-labels.lst")
@@ -251,10 +329,10 @@ def simulator_size(aux_cfg, o):
             "params_formula": ours["total"], "params_paper_table1": int(paper["total"])}
 
 
-@evaluation("tint")
+@evaluation("tint", check=settings)
 def tint_eval(model, ctx):
     """Dynamic evaluation three ways (no update / reference update / simulator) plus exact dyn-eval."""
-    o = options(ctx)
+    o, split, L = settings(model, ctx)
     dtype = torch.float64 if o["dtype"] == "fp64" else torch.float32
     aux = copy.deepcopy(model).to(dtype).eval()
     for p in aux.parameters():
@@ -281,7 +359,7 @@ def tint_eval(model, ctx):
               f"auxiliary model")
     device = next(aux.parameters()).device
     if o["train_fracs"]:
-        result["text"] = text_eval(scorer, ctx, o, methods, device)
+        result["text"] = text_eval(scorer, split, L, o, methods, device)
     if o["task"]:
         result["task"] = task_eval(scorer, ctx, o, methods, device, ctx.tokenizer)
     print(format_table(result))

@@ -29,7 +29,7 @@ from kernels.tree import castle_bias, castle_update, fox_bias, mask_bias, tree_d
 @dataclass
 class GPTConfig:
     vocab_size: int = 50304          # GPT-2's 50257 padded to a multiple of 64
-    tokenizer_vocab_size: int | None = None  # ids the tokenizer decodes (< vocab_size); None: all
+    tokenizer_vocab_size: int | None = None   # ids >= this are padding rows, never generated (None: vocab_size)
     block_size: int = 1024           # training context length
     n_layer: int = 12
     n_head: int = 12
@@ -80,6 +80,9 @@ class GPTConfig:
             raise ValueError("attention=castle_swl needs model.castle_window >= 1 (paper: 128 for S, 512 else)")
         if self.castle_rope not in ("causal", "qk", "qkv"):
             raise ValueError(f"model.castle_rope={self.castle_rope!r}; choose causal, qk or qkv")
+        if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
+            raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
+                             f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
 
     @classmethod
     def from_dict(cls, d):
@@ -639,17 +642,20 @@ class GPT(nn.Module):
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                         eot_token=None, use_cache=True, group=None, prefill_chunk=None):
-        """Yield (B,) new tokens one step at a time. temperature 0 is greedy.
+        """Yield (B,) new tokens one step at a time. temperature 0 is greedy. Tokens are drawn only
+        from the tokenizer's ids (`config.tokenizer_vocab_size`), never from the padding rows.
 
         Stops early once every row has produced `eot_token`; rows that finished keep emitting it.
         group: split the cache over this process group (`new_cache`); call on every rank with the
         same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         """
+        check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         B, T0 = idx.shape
         if self.wpe is not None and T0 + max_new_tokens > self.config.block_size and use_cache:
             raise ValueError(f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
                              f"{self.config.block_size} of a model with learned positions")
+        n_tokens = self.config.tokenizer_vocab_size or self.config.vocab_size   # never propose padding ids
         cache = self.new_cache(B, T0 + max_new_tokens, group=group) if use_cache else None
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         seq, step_input = idx, idx
@@ -659,7 +665,7 @@ class GPT(nn.Module):
             chunk = prefill_chunk if cache is not None and prefill_chunk else step_input.size(1)
             for piece in step_input.split(chunk, dim=1):
                 logits, _ = self(piece, cache=cache, last_only=True)
-            token = sample_token(logits[:, -1].float(), temperature, top_k, top_p)
+            token = sample_token(logits[:, -1, :n_tokens].float(), temperature, top_k, top_p)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
             if eot_token is not None:
@@ -678,6 +684,23 @@ class GPT(nn.Module):
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eot_token,
                                         use_cache, group, prefill_chunk))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
+
+
+def check_sampling_options(max_new_tokens, temperature, top_k, top_p):
+    """Raise a ValueError naming the option when a sampling setting is out of range."""
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a number >= 0 (0: greedy)")
+    if top_k is not None and (not is_int(top_k) or top_k < 0):
+        raise ValueError(f"top_k={top_k!r} must be null (or 0: no top-k filtering) or an integer >= 1")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0 < top_p <= 1):
+        raise ValueError(f"top_p={top_p!r} must be null (no nucleus filtering) or a number in (0, 1]")
 
 
 def sample_token(logits, temperature=1.0, top_k=None, top_p=None):

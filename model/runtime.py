@@ -158,6 +158,15 @@ def _is_device_name(v):
 DEVICE = Rule(_is_device_name, "auto, cpu, cuda or cuda:N")
 
 
+def shown(value):
+    """A config value as it is written on the command line."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(shown(v) for v in value) + "]"
+    return str(value)
+
+
 def check_options(values, rules):
     """Raise ValueError naming the first option whose value breaks its rule.
 
@@ -165,7 +174,10 @@ def check_options(values, rules):
     for key, rule in rules.items():
         value = values[key]
         if not rule.ok(value):
-            raise ValueError(f"{key}={value!r} is not valid: expected {rule.expected}")
+            raise ValueError(f"{key}={shown(value)} is invalid: it must be {rule.expected}")
+
+
+TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
 
 
 def check_dataclass_types(cls, values, prefix):
@@ -173,14 +185,16 @@ def check_dataclass_types(cls, values, prefix):
     (`int | None`, `float` also takes an int, `bool` takes only true/false)."""
     hints = typing.get_type_hints(cls)
     for key, value in values.items():
+        if key not in hints:           # an unknown key: GPTConfig.from_dict names it
+            continue
         allowed = typing.get_args(hints[key]) or (hints[key],)
         fits = any(value is None if t is type(None) else
                    isinstance(value, bool) if t is bool else
                    _is_number(value) if t is float else
                    _is_int(value) if t is int else isinstance(value, t) for t in allowed)
         if not fits:
-            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
-            raise ValueError(f"{prefix}{key}={value!r} is not valid: expected {names}")
+            names = " or ".join(TYPE_NAMES.get(t, t.__name__) for t in allowed)
+            raise ValueError(f"{prefix}{key}={shown(value)} is invalid: it must be {names}")
 
 
 # ----------------------------------------------------------------------------- entry points

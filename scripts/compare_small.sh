@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The README's small-scale comparison: Baseline (two seeds), CASTLE, CASTLE-SWL, Transformer (Pro)
+# The small-scale comparison of docs/results.md: Baseline (two seeds), CASTLE, CASTLE-SWL, Transformer (Pro)
 # and FoX (Pro) at ~30M parameters on the same 11.8M Wikipedia tokens in the same order
 # (configs/experiment/compare_XS.yaml), then the per-token loss L(i) to 4x the training context and
 # the plots. Runs as many variants at once as there are GPUs (one per GPU).
-#   python data/prepare_text.py --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text
+#   python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text
 #   bash scripts/compare_small.sh [DATA_DIR=.gpu_data/text] [OUT=runs/compare]
 #   EXTRA="train.max_steps=3 train.seq_len=64" bash scripts/compare_small.sh ...   # a quick smoke run
 set -euo pipefail

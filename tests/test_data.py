@@ -1,8 +1,12 @@
 """Tokenizer, shard format, loaders, build_loader and the data configs (CPU, fast)."""
 import errno
 import hashlib
+import json
 import shutil
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +23,7 @@ from data.shards import HEADER_BYTES, MAGIC, read_shard, shard_num_tokens, write
 from data.tokenizer import EOT, get_tokenizer
 
 CONFIGS = REPO_ROOT / "configs" / "data"
+V = 50257  # the GPT-2 tokenizer's vocabulary
 
 
 # ---- tokenizer ----
@@ -168,7 +173,7 @@ def stream_shards(tmp_path):
 def test_loader_reads_the_stream_in_order_and_wraps(stream_shards):
     files, stream = stream_shards
     B, T = 3, 50
-    loader = TokenLoader(files, B, T)
+    loader = TokenLoader(files, B, T, vocab_size=V)
     n_chunks = (len(stream) - 1) // (B * T)
     for k in range(2 * n_chunks + 1):  # two epochs and a bit: crosses every shard boundary
         x, y = loader.next_batch()
@@ -180,24 +185,24 @@ def test_loader_reads_the_stream_in_order_and_wraps(stream_shards):
 
 def test_loader_resume_gives_the_same_batches(stream_shards):
     files, _ = stream_shards
-    loader = TokenLoader(files, 2, 64, rank=1, world_size=2)
+    loader = TokenLoader(files, 2, 64, rank=1, world_size=2, vocab_size=V)
     for _ in range(5):
         loader.next_batch()
     state = loader.state_dict()
     assert state["position"] == 5 * 2 * 2 * 64
     expected = [loader.next_batch() for _ in range(6)]
-    resumed = TokenLoader(files, 2, 64, rank=1, world_size=2)
+    resumed = TokenLoader(files, 2, 64, rank=1, world_size=2, vocab_size=V)
     resumed.load_state_dict(state)
     for (x, y), (xr, yr) in zip(expected, (resumed.next_batch() for _ in range(6)), strict=True):
         assert torch.equal(x, xr) and torch.equal(y, yr)
     with pytest.raises(ValueError, match="not a multiple"):
-        TokenLoader(files, 3, 64).load_state_dict({"position": 100})
+        TokenLoader(files, 3, 64, vocab_size=V).load_state_dict({"position": 100})
 
 
 def test_two_ranks_read_what_one_rank_reads_in_two_steps(stream_shards):
     files, _ = stream_shards
-    one = TokenLoader(files, 2, 32)
-    ranks = [TokenLoader(files, 2, 32, rank=r, world_size=2) for r in range(2)]
+    one = TokenLoader(files, 2, 32, vocab_size=V)
+    ranks = [TokenLoader(files, 2, 32, rank=r, world_size=2, vocab_size=V) for r in range(2)]
     for _ in range(20):
         for rank in ranks:
             x, y = rank.next_batch()
@@ -209,9 +214,9 @@ def test_two_ranks_read_what_one_rank_reads_in_two_steps(stream_shards):
 def test_loader_needs_enough_tokens(stream_shards):
     files, _ = stream_shards
     with pytest.raises(ValueError, match="fewer than one batch"):
-        TokenLoader(files[:2], 4, 200)
+        TokenLoader(files[:2], 4, 200, vocab_size=V)
     with pytest.raises(ValueError, match="at least one"):
-        TokenLoader([], 1, 1)
+        TokenLoader([], 1, 1, vocab_size=V)
 
 
 # ---- build_loader and configs ----
@@ -270,10 +275,92 @@ def test_sample_preparation_is_safe_when_ranks_race(tmp_path):
     assert names == ["manifest.json", "train_000000.bin", "val_000000.bin"]
 
 
+RANK = """
+import pathlib, sys, time
+from omegaconf import OmegaConf
+from data.loader import build_loader
+cfg, ready, go = OmegaConf.load(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+ready.touch()
+while not go.exists():
+    time.sleep(0.001)
+x, y = build_loader(cfg, "train", 4, 128).next_batch()
+print(int(x.sum()), int(y.sum()))
+"""
+
+
+@pytest.mark.slow
+def test_sample_preparation_is_safe_when_processes_race(tmp_path):
+    """Three processes (as torchrun ranks, or two runs) build the data=sample loader at the same instant:
+    one prepares, the others wait on the lock, all read the same complete shards."""
+    cfg = sample_config(tmp_path)
+    OmegaConf.save(cfg, tmp_path / "cfg.yaml")
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK, str(tmp_path / "cfg.yaml"), str(tmp_path / f"ready{r}"),
+                               str(tmp_path / "go")], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for r in range(3)]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready{r}").exists() for r in range(3)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
+    results = [rank.communicate(timeout=300) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks), [err for _, err in results]
+    assert len({out for out, _ in results}) == 1  # every rank read the same first batch
+    reference = sample_config(tmp_path / "ref")
+    ensure_prepared(reference)
+    for name in ("train_000000.bin", "val_000000.bin"):
+        assert (tmp_path / "sample" / name).read_bytes() == (tmp_path / "ref" / "sample" / name).read_bytes()
+    assert json.loads((tmp_path / "sample" / "manifest.json").read_text())["complete"]
+    assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == [".lock", "manifest.json", "train_000000.bin",
+                                                                       "val_000000.bin"]
+
+
 def test_build_loader_without_shards_says_how_to_prepare(tmp_path):
     cfg = OmegaConf.load(CONFIGS / "text.yaml")
     cfg.dir = str(tmp_path)
     with pytest.raises(FileNotFoundError, match="prepare"):
+        build_loader(cfg, "train", 1, 8)
+
+
+
+def assert_names_bad_token(err, file, position, token_id):
+    message = str(err.value)
+    assert f"{file}: token {position:,} " in message and f"token id {token_id}," in message, message
+    assert "[0, 50257)" in message and "data.tokenizer" in message and "python -m data.prepare_text" in message
+
+
+@pytest.mark.parametrize("bad_id", [60000, 50300])  # beyond the model's 50304 outputs; inside them, no token
+def test_out_of_vocabulary_ids_are_refused_with_file_and_position(tmp_path, bad_id):
+    rng = np.random.default_rng()
+    cfg = OmegaConf.load(CONFIGS / "text.yaml")
+    cfg.dir = str(tmp_path)
+    clean, bad = rng.integers(0, V, size=5000), rng.integers(0, V, size=5000)
+    pos = int(rng.integers(0, 5000))
+    bad[pos] = bad_id
+    write_shard(tmp_path / "train_000000.bin", clean)
+    write_shard(tmp_path / "train_000001.bin", bad)
+    write_shard(tmp_path / "val_000000.bin", clean)
+    loader = build_loader(cfg, "train", 2, 100)
+    for _ in range(4999 // 200):  # the batches inside the clean shard
+        loader.next_batch()
+    with pytest.raises(ValueError) as err:  # the first batch reaching the bad shard, wherever its bad id is
+        loader.next_batch()
+    assert_names_bad_token(err, tmp_path / "train_000001.bin", pos, bad_id)
+    write_shard(tmp_path / "val_000000.bin", bad)
+    with pytest.raises(ValueError) as err:
+        build_loader(cfg, "val", 1, 8).next_batch()
+    assert_names_bad_token(err, tmp_path / "val_000000.bin", pos, bad_id)
+    bad[pos] = V - 1  # the largest id the tokenizer has is fine
+    write_shard(tmp_path / "val_000000.bin", bad)
+    build_loader(cfg, "val", 1, 8).next_batch()
+
+
+def test_loader_refuses_an_unfinished_preparation(tmp_path):
+    cfg = OmegaConf.load(CONFIGS / "text.yaml")
+    cfg.dir = str(tmp_path)
+    write_shard(tmp_path / "train_000000.bin", np.arange(1000))
+    write_shard(tmp_path / "val_000000.bin", np.arange(1000))
+    build_loader(cfg, "train", 1, 8)  # shards without manifest.json (e.g. llm.c's) load as they are
+    (tmp_path / "manifest.json").write_text(json.dumps({"complete": False, "shards": [{}, {}]}))
+    with pytest.raises(ValueError, match="manifest.json: the preparation .* not finished.*run the same prepare"):
         build_loader(cfg, "train", 1, 8)
 
 
@@ -304,7 +391,7 @@ def chunk(doc, col, T):
 def test_longcrawl_paper_order_bos_and_resume(longcrawl):
     array = open_split(longcrawl, "train", check_rows=False)
     B, T = 4, 16384
-    loader = LongCrawl64Loader(array, B, T)  # 12 docs: 3 batches per column, 4 columns
+    loader = LongCrawl64Loader(array, B, T, vocab_size=V)  # 12 docs: 3 batches per column, 4 columns
     for step in range(3 * 4 + 2):  # one epoch, then it starts over
         x, y = loader.next_batch()
         col, block = divmod(step % 12, 3)
@@ -314,7 +401,7 @@ def test_longcrawl_paper_order_bos_and_resume(longcrawl):
         if step == 6:
             state = loader.state_dict()
             after = [loader.next_batch() for _ in range(3)]
-            resumed = LongCrawl64Loader(array, B, T)
+            resumed = LongCrawl64Loader(array, B, T, vocab_size=V)
             resumed.load_state_dict(state)
             assert all(torch.equal(a[1], resumed.next_batch()[1]) for a in after)
             loader.load_state_dict(state)
@@ -323,8 +410,8 @@ def test_longcrawl_paper_order_bos_and_resume(longcrawl):
 def test_longcrawl_ranks_split_each_global_batch(longcrawl):
     array = open_split(longcrawl, "train", check_rows=False)
     T = 8192
-    one = LongCrawl64Loader(array, 2, T)
-    ranks = [LongCrawl64Loader(array, 2, T, rank=r, world_size=2) for r in range(2)]
+    one = LongCrawl64Loader(array, 2, T, vocab_size=V)
+    ranks = [LongCrawl64Loader(array, 2, T, rank=r, world_size=2, vocab_size=V) for r in range(2)]
     seen = set()
     for _ in range(12):  # 12 docs / 4 per global batch = 3 steps per column
         for rank in ranks:
@@ -338,9 +425,9 @@ def test_longcrawl_ranks_split_each_global_batch(longcrawl):
 def test_longcrawl_shuffled_order(longcrawl):
     array = open_split(longcrawl, "train", check_rows=False)
     B, T = 3, 32768  # 2 columns
-    first = [LongCrawl64Loader(array, B, T, order="shuffled", seed=1).next_batch()[1] for _ in range(2)]
+    first = [LongCrawl64Loader(array, B, T, order="shuffled", seed=1, vocab_size=V).next_batch()[1] for _ in range(2)]
     assert torch.equal(first[0], first[1])  # deterministic
-    loader = LongCrawl64Loader(array, B, T, order="shuffled", seed=1)
+    loader = LongCrawl64Loader(array, B, T, order="shuffled", seed=1, vocab_size=V)
     batches = [loader.next_batch()[1] for _ in range(8)]  # one epoch: 4 batches per column pass, 2 passes
     where = {chunk([d], c, T)[0, :8].numpy().tobytes(): (d, c) for d in range(12) for c in range(2)}
     found = [where[row[:8].numpy().tobytes()] for y in batches for row in y]
@@ -364,6 +451,36 @@ def test_longcrawl_array_checks(tmp_path, longcrawl):
     zeros[0] = 5
     with pytest.raises(ValueError, match="all zeros"):
         check_values("z.zarr", zeros)
+
+
+@pytest.mark.parametrize("split", ["train", "val"])
+def test_longcrawl_out_of_vocabulary_id_names_document_and_position(tmp_path, split):
+    rng = np.random.default_rng()
+    root = make_longcrawl(tmp_path, train_docs=4, val_docs=4, chunks=(1, DOC_LEN))
+    name = {"train": "train.zarr", "val": "heldout.zarr"}[split]
+    doc, pos, bad_id = int(rng.integers(0, 4)), int(rng.integers(0, DOC_LEN)), int(rng.choice([50300, 60000]))
+    zarr.open_array(root / name, mode="r+")[doc, pos] = bad_id
+    cfg = OmegaConf.load(CONFIGS / "longcrawl64.yaml")
+    cfg.dir, cfg.check_rows = str(root), False
+    loader = build_loader(cfg, split, 1, DOC_LEN)
+    for _ in range(doc):
+        loader.next_batch()
+    with pytest.raises(ValueError) as err:
+        loader.next_batch()
+    message = str(err.value)
+    assert f"{root / name}: document {doc:,}, token {pos:,} holds token id {bad_id}," in message, message
+    assert "data.tokenizer" in message and "data.prepare_longcrawl64" in message
+
+
+def test_longcrawl_loader_refuses_an_unfinished_copy(tmp_path):
+    root = make_longcrawl(tmp_path, train_docs=2, val_docs=2)
+    (root / "manifest.json").write_text(json.dumps({"arrays": {"train": {
+        "complete": False, "documents_done": 1, "documents": 2}}}))
+    cfg = OmegaConf.load(CONFIGS / "longcrawl64.yaml")
+    cfg.dir, cfg.check_rows = str(root), False
+    with pytest.raises(ValueError, match="train.zarr is only partly copied .*1 of 2 documents.*run the same"):
+        build_loader(cfg, "train", 1, DOC_LEN)
+    build_loader(cfg, "val", 1, DOC_LEN)  # the other split is not refused
 
 
 def test_build_loader_longcrawl64(longcrawl):

@@ -42,38 +42,38 @@ def error_of(check, cfg):
 # ----------------------------------------------------------------------------- train.py
 
 @pytest.mark.parametrize("override,expected", [
-    ("train.max_steps=abc", "train.max_steps='abc' is not valid: expected an integer >= 1"),
-    ("train.max_steps=0", "train.max_steps=0 is not valid: expected an integer >= 1"),
+    ("train.max_steps=abc", "train.max_steps=abc is invalid: it must be an integer >= 1"),
+    ("train.max_steps=0", "train.max_steps=0 is invalid: it must be an integer >= 1"),
     ("train.max_steps=2.5", "train.max_steps=2.5"),
-    ("train.max_steps=true", "train.max_steps=True"),
+    ("train.max_steps=true", "train.max_steps=true"),
     ("train.seq_len=-4", "train.seq_len=-4"),
     ("train.micro_batch_size=0", "train.micro_batch_size=0"),
-    ("train.global_batch_tokens=0", "train.global_batch_tokens=0 is not valid: expected an integer >= 1, or null"),
+    ("train.global_batch_tokens=0", "train.global_batch_tokens=0 is invalid: it must be an integer >= 1, or null"),
     ("train.keep_last=0", "train.keep_last=0"),
-    ("train.ckpt_interval=x", "train.ckpt_interval='x'"),
+    ("train.ckpt_interval=x", "train.ckpt_interval=x"),
     ("train.log_interval=0", "train.log_interval=0"),
     ("train.eval_interval=-1", "train.eval_interval=-1"),
     ("train.eval_tokens=0", "train.eval_tokens=0"),
-    ("train.sample_tokens=-1", "train.sample_tokens=-1 is not valid: expected an integer >= 0"),
+    ("train.sample_tokens=-1", "train.sample_tokens=-1 is invalid: it must be an integer >= 0"),
     ("train.seed=-1", "train.seed=-1"),
-    ("train.peak_flops=0", "train.peak_flops=0 is not valid: expected a number > 0"),
-    ("train.dtype=fp16", "train.dtype='fp16' is not valid: expected one of auto, bf16, fp32"),
-    ("train.compile=maybe", "train.compile='maybe' is not valid: expected one of auto, true, false"),
-    ("train.parallel=tp", "train.parallel='tp' is not valid: expected one of ddp, fsdp"),
-    ("train.sdpa_backend=fast", "train.sdpa_backend='fast'"),
-    ("train.if_exists=overwrite", "train.if_exists='overwrite' is not valid: expected one of error, archive"),
-    ("train.device=gpu", "train.device='gpu' is not valid: expected auto, cpu, cuda or cuda:N"),
-    ("train.wandb.mode=on", "train.wandb.mode='on'"),
-    ("train.out_dir=''", "train.out_dir='' is not valid: expected a non-empty string"),
-    ("optim.lr=-1", "optim.lr=-1 is not valid: expected a number > 0"),
-    ("optim.lr=fast", "optim.lr='fast'"),
-    ("optim.betas=[0.9]", "optim.betas=[0.9] is not valid: expected two values [a, b], each a number >= 0 and <= 1"),
-    ("optim.betas=[0.9,1.5]", "optim.betas=[0.9, 1.5]"),
+    ("train.peak_flops=0", "train.peak_flops=0 is invalid: it must be a number > 0"),
+    ("train.dtype=fp16", "train.dtype=fp16 is invalid: it must be one of auto, bf16, fp32"),
+    ("train.compile=maybe", "train.compile=maybe is invalid: it must be one of auto, true, false"),
+    ("train.parallel=tp", "train.parallel=tp is invalid: it must be one of ddp, fsdp"),
+    ("train.sdpa_backend=fast", "train.sdpa_backend=fast"),
+    ("train.if_exists=overwrite", "train.if_exists=overwrite is invalid: it must be one of error, archive"),
+    ("train.device=gpu", "train.device=gpu is invalid: it must be auto, cpu, cuda or cuda:N"),
+    ("train.wandb.mode=on", "train.wandb.mode=on"),
+    ("train.out_dir=", "train.out_dir= is invalid: it must be a non-empty string"),
+    ("optim.lr=-1", "optim.lr=-1 is invalid: it must be a number > 0"),
+    ("optim.lr=fast", "optim.lr=fast"),
+    ("optim.betas=[0.9]", "optim.betas=[0.9] is invalid: it must be two values [a, b], each a number >= 0 and <= 1"),
+    ("optim.betas=[0.9,1.5]", "optim.betas=[0.9,1.5]"),
     ("optim.eps=0", "optim.eps=0"),
     ("optim.weight_decay=-0.1", "optim.weight_decay=-0.1"),
     ("optim.grad_clip=0", "optim.grad_clip=0"),
     ("optim.warmup_steps=-1", "optim.warmup_steps=-1"),
-    ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2 is not valid: expected a number >= 0 and <= 1"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio=2 is invalid: it must be a number >= 0 and <= 1"),
     ("optim.warmup_steps=null", "optim.warmup_steps and optim.warmup_tokens are both null; set one of them"),
     ("train.resume=/no/such/ckpt_3.pt", "train.resume=/no/such/ckpt_3.pt does not exist; use auto, never"),
 ])
@@ -97,9 +97,9 @@ def test_block_size_below_seq_len_is_refused_for_every_position_type(model):
 
 
 @pytest.mark.parametrize("override,expected", [
-    ("model.n_layer=abc", "model.n_layer='abc' is not valid: expected int"),
-    ("model.head_dim=1.5", "model.head_dim=1.5 is not valid: expected int or null"),
-    ("model.tie_embeddings=1", "model.tie_embeddings=1 is not valid: expected bool"),
+    ("model.n_layer=abc", "model.n_layer=abc is invalid: it must be an integer"),
+    ("model.head_dim=1.5", "model.head_dim=1.5 is invalid: it must be an integer or null"),
+    ("model.tie_embeddings=1", "model.tie_embeddings=1 is invalid: it must be true or false"),
     ("model.vocab_size=1000", "model.vocab_size=1000 is smaller than the tokenizer's 50257 tokens"),
     ("model.pos=alibi", "model.pos='alibi' is unknown"),
 ])
@@ -163,18 +163,18 @@ def test_resume_takes_model_and_data_settings_from_the_checkpoint():
 # ----------------------------------------------------------------------------- sample.py, eval.py
 
 @pytest.mark.parametrize("override,expected", [
-    ("max_new_tokens=-5", "max_new_tokens=-5 is not valid: expected an integer >= 1"),
+    ("max_new_tokens=-5", "max_new_tokens=-5 is invalid: it must be an integer >= 1"),
     ("max_new_tokens=0", "max_new_tokens=0"),
-    ("temperature=-1", "temperature=-1 is not valid: expected a number >= 0"),
-    ("top_k=0", "top_k=0 is not valid: expected an integer >= 1, or null (null: no top-k filtering)"),
-    ("top_p=0", "top_p=0 is not valid: expected a number > 0 and <= 1, or null"),
+    ("temperature=-1", "temperature=-1 is invalid: it must be a number >= 0"),
+    ("top_k=0", "top_k=0 is invalid: it must be an integer >= 1, or null (null: no top-k filtering)"),
+    ("top_p=0", "top_p=0 is invalid: it must be a number > 0 and <= 1, or null"),
     ("top_p=1.5", "top_p=1.5"),
     ("num_samples=0", "num_samples=0"),
     ("prefill_chunk=0", "prefill_chunk=0"),
-    ("seed=x", "seed='x'"),
-    ("sharded=yes", "sharded='yes' is not valid: expected true or false"),
-    ("dtype=half", "dtype='half'"),
-    ("device=tpu9", "device='tpu9'"),
+    ("seed=x", "seed=x"),
+    ("sharded=yes", "sharded=yes is invalid: it must be true or false"),
+    ("dtype=half", "dtype=half"),
+    ("device=tpu9", "device=tpu9"),
 ])
 def test_sample_option_errors(override, expected):
     assert expected in error_of(sample.check_sample_options, compose_config("sample", ["ckpt=x", override]))
@@ -194,10 +194,7 @@ def test_sample_and_eval_need_a_checkpoint():
 @pytest.mark.parametrize("override,expected", [
     ("eval.tasks=[heldout,nope]", "eval.tasks=['heldout', 'nope'] names unknown or no evaluations; choose from"),
     ("eval.tasks=[]", "eval.tasks=[] names unknown or no evaluations"),
-    ("eval.batch_size=0", "eval.batch_size=0 is not valid: expected an integer >= 1"),
-    ("eval.val_tokens=-1", "eval.val_tokens=-1"),
-    ("eval.seq_len=abc", "eval.seq_len='abc'"),
-    ("dtype=fp8", "dtype='fp8'"),
+    ("dtype=fp8", "dtype=fp8"),
     ("lm_eval.preset=castle", "lm_eval.preset / lm_eval.tasks are set but eval.tasks has no lm_eval"),
 ])
 def test_eval_option_errors(override, expected):
@@ -262,7 +259,7 @@ def assert_one_line_error(proc, *words):
 
 def test_train_bad_value_exits_2_and_leaves_no_run_directory(tmp_path):
     out = tmp_path / "new_run"
-    assert_one_line_error(run("train.py", [f"train.out_dir={out}", "train.max_steps=abc"]), "train.max_steps='abc'")
+    assert_one_line_error(run("train.py", [f"train.out_dir={out}", "train.max_steps=abc"]), "train.max_steps=abc")
     assert_one_line_error(run("train.py", [f"train.out_dir={out}", "model=nonexistent"]), "model/nonexistent",
                           "castle")
     # fails after taking the run directory: no shards of this data set

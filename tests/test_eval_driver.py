@@ -1,11 +1,13 @@
 """The evaluation driver: the lm-eval adapter (through the real harness, offline), per-token loss,
-needle in a haystack and eval.py end to end, on tiny random models (CPU)."""
+needle in a haystack, TinT and eval.py end to end, on tiny random models (CPU); every bad option
+of eval.py's evaluations fails before any evaluation runs, with a message naming it and the fix."""
 import importlib.util
 import json
 import math
 import os
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -19,11 +21,14 @@ from lm_eval.tasks import TaskManager
 from omegaconf import OmegaConf
 
 import eval as eval_script
+from data.shards import write_shard
 from data.tokenizer import get_tokenizer
+import evaluation.results
+import evaluation.tint
 from evaluation import long_context, niah
-from evaluation.lm_eval_adapter import (GPTLM, PRESETS, data_root, paper_row, select_tasks,
-                                        write_local_tasks)
-from model.checkpoint import CHECKPOINT_FORMAT, config_dict
+from evaluation.lm_eval_adapter import (GPTLM, PRESETS, check_limit, data_root, hub_reachable, paper_row,
+                                        select_tasks, write_local_tasks)
+from model.checkpoint import CHECKPOINT_FORMAT, config_dict, load_model
 from model.gpt import ATTENTIONS, GPT, GPTConfig
 from tests.test_model import VARIANTS   # every attention variant and block style, in tiny form
 
@@ -264,20 +269,30 @@ def test_needle_scoring_finds_the_answer(tok):
 
 # ----------------------------------------------------------------------------- eval.py end to end
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """A randomly initialised checkpoint in train.py's format, trained on nothing."""
-    run_dir = tmp_path_factory.mktemp("run")
+def write_checkpoint(run_dir, overrides=()):
+    """A randomly initialised checkpoint in train.py's format (a 1-layer model, 64-token context)."""
     with initialize_config_dir(config_dir=CONFIGS, version_base="1.3"):
         cfg = compose(config_name="config", overrides=["model.n_layer=1", "model.n_embd=32", "model.n_head=2",
                                                        "model.head_dim=16", "train.seq_len=64",
-                                                       f"train.out_dir={run_dir}"])
+                                                       f"train.out_dir={run_dir}", *overrides])
     torch.manual_seed(0)
     gpt = GPT(GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True)))
     torch.save({"format": CHECKPOINT_FORMAT, "step": 0, "model": gpt.state_dict(),
                 "model_config": config_dict(gpt.config), "config": OmegaConf.to_container(cfg, resolve=True)},
                run_dir / "ckpt_0.pt")
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """LLaMA-style (RoPE), trained on nothing."""
+    return write_checkpoint(tmp_path_factory.mktemp("run"))
+
+
+@pytest.fixture(scope="module")
+def learned_checkpoint(tmp_path_factory):
+    """GPT-2 style: learned positions, so nothing reads past block_size=64."""
+    return write_checkpoint(tmp_path_factory.mktemp("gpt2"), ["model=gpt2"])
 
 
 def eval_run(overrides):
@@ -345,3 +360,273 @@ def test_plot_and_table_scripts(evaluated_checkpoint, tmp_path, monkeypatch, cap
     run_script("plot_paper_tables", [str(tiny_checkpoint)], monkeypatch)
     out = capsys.readouterr().out
     assert "### fox, 0-shot" in out and "| COPA |" in out and "### perplexity P(l)" in out and "needle" in out
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.fixture(scope="module")
+def castle_checkpoint(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("castle"), ["model=castle"])
+
+
+@pytest.fixture(scope="module")
+def small_val(tmp_path_factory, tok):
+    """A data config whose val split is 200 tokens of the bundled novel (train: the next 200)."""
+    folder = tmp_path_factory.mktemp("small_data")
+    text = open(os.path.join(os.path.dirname(CONFIGS), "data", "sample", "night_and_day.txt")).read(20000)
+    tokens = np.array(tok.encode_ordinary(text)[:400])
+    write_shard(folder / "val_000000.bin", tokens[:200])
+    write_shard(folder / "train_000000.bin", tokens[200:])
+    return ["data=sample", f"data.dir={folder}", "data.auto_prepare=null"], tokens[:200]
+
+
+def error_of(overrides):
+    """The user error eval.py raises for `overrides`: one line, ValueError or FileNotFoundError."""
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        eval_run(overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+BAD_OPTIONS = [   # (checkpoint, overrides, what the message must say: the option, its value and the fix)
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.limit=0"],
+     ["lm_eval.limit=0", "integer >= 1", "fraction in (0, 1)"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.limit=2.5"], ["lm_eval.limit=2.5"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.limit=-0.5"], ["lm_eval.limit=-0.5"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.num_fewshot=-1"],
+     ["lm_eval.num_fewshot=-1", "integer >= 0"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.batch_tokens=0"],
+     ["lm_eval.batch_tokens=0", "integer >= 1"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.bootstrap_iters=-1"],
+     ["lm_eval.bootstrap_iters=-1"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.max_gen_toks=0"],
+     ["lm_eval.max_gen_toks=0"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.max_length=1"],
+     ["lm_eval.max_length=1", "integer >= 2"]),
+    ("learned", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.max_length=128"],
+     ["lm_eval.max_length=128", "block_size=64", "[1, 64]"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.offline=sometimes"],
+     ["lm_eval.offline=sometimes", "auto"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.preset=castel"], ["lm_eval.preset='castel'", "castle"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.offline=true",
+              "lm_eval.data_root=/nonexistent/eval"], ["/nonexistent/eval", "lm_eval.data_root"]),
+    ("tiny", ["eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswag]", "lm_eval.include_path=/nonexistent/tasks"],
+     ["lm_eval.include_path=/nonexistent/tasks", "folder of task YAMLs"]),
+    ("tiny", ["data=longcrawl64"], ["data=longcrawl64", "gpt2_json", "trained on gpt2 tokens", "leave data= out"]),
+    ("tiny", ["eval.batch_size=0"], ["eval.batch_size=0", "integer >= 1"]),
+    ("tiny", ["eval.val_tokens=0"], ["eval.val_tokens=0"]),
+    ("tiny", ["eval.seq_len=-4"], ["eval.seq_len=-4", "integer >= 1"]),
+    ("learned", ["eval.seq_len=128"], ["eval.seq_len=128", "block_size=64", "[1, 64]"]),
+    ("tiny", ["eval.tasks=[long_context]", "long_context.seq_len=0"], ["long_context.seq_len=0", "integer >= 1"]),
+    ("tiny", ["eval.tasks=[long_context]", "long_context.seq_len=1000000"],
+     ["long_context.seq_len=1000000 is out of range", "val split", "choose long_context.seq_len in [1, "]),
+    ("learned", ["eval.tasks=[long_context]", "long_context.seq_len=128"],
+     ["long_context.seq_len=128", "learned positions", "[1, 64]"]),
+    ("tiny", ["eval.tasks=[long_context]", "long_context.num_seqs=0"], ["long_context.num_seqs=0"]),
+    ("tiny", ["eval.tasks=[long_context]", "long_context.batch_size=0"], ["long_context.batch_size=0"]),
+    ("tiny", ["eval.tasks=[long_context]", "long_context.batch_size=100000"],
+     ["long_context.batch_size=100000 is too large", "lower long_context.batch_size"]),
+    ("tiny", ["eval.tasks=[long_context]", "long_context.smooth=0"], ["long_context.smooth=0"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.modes=[hard]"], ["niah.modes=[hard]", "easy", "standard"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.depths=[50,150]"], ["niah.depths=150", "[0, 100]"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.lengths=[100,300]"],
+     ["niah.lengths=[100,300]", "no haystack", "niah.question_reserve"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.lengths=[300.5]"], ["niah.lengths=300.5", "integer"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.max_new_tokens=0"], ["niah.max_new_tokens=0"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.batch_size=0"], ["niah.batch_size=0"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.question_reserve=-1"], ["niah.question_reserve=-1", "integer >= 0"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.lengths=[300]", "niah.books_dir=/nonexistent/books"],
+     ["niah.books_dir=/nonexistent/books", "$BOOKS_DIR"]),
+    ("learned", ["eval.tasks=[niah]", "niah.lengths=[300]", "niah.question_reserve=0", "niah.max_new_tokens=4"],
+     ["niah.lengths=[300]", "block_size=64", "niah.max_new_tokens=4", "lengths in [39, 60]"]),
+    ("learned", ["eval.tasks=[niah]"], ["block_size=64", "niah.question_reserve=200", "niah.max_new_tokens=64",
+                                        "drop niah from eval.tasks"]),
+    ("tiny", ["eval.tasks=[niah]", "niah.question_reserve=2000"], ["default niah lengths", "niah.lengths=[...]"]),
+    ("castle", ["eval.tasks=[tint]", "tint.task_path=/nonexistent/x.jsonl"], ["eval.tasks has tint", "attention='baseline'", "drop tint from eval.tasks"]),
+    ("learned", ["eval.tasks=[tint]", "tint.lr=-1"], ["tint.lr=-1", "[0, inf)"]),
+    ("learned", ["eval.tasks=[tint]", "tint.lr=fast"], ["tint.lr=fast", "number"]),
+    ("learned", ["eval.tasks=[tint]", "tint.fd_eps=0"], ["tint.fd_eps=0", "(0, inf)"]),
+    ("learned", ["eval.tasks=[tint]", "tint.train_fracs=[0.5,1.0]"], ["tint.train_fracs=1.0", "(0, 1)"]),
+    ("learned", ["eval.tasks=[tint]", "tint.methods=[vanilla,magic]"], ["tint.methods=[vanilla,magic]", "tint_ref"]),
+    ("learned", ["eval.tasks=[tint]", "tint.dtype=fp16"], ["tint.dtype=fp16", "fp32 or fp64"]),
+    ("learned", ["eval.tasks=[tint]", "tint.n_steps=0"], ["tint.n_steps=0"]),
+    ("learned", ["eval.tasks=[tint]", "tint.batches=0"], ["tint.batches=0"]),
+    ("learned", ["eval.tasks=[tint]", "tint.task=mmlu"], ["tint.task=mmlu", "arc_easy", "null"]),
+    ("learned", ["eval.tasks=[tint]", "tint.task_path=/nonexistent/arc.jsonl"],
+     ["/nonexistent/arc.jsonl", "tint.task_path", "tint.task=null"]),
+    ("learned", ["eval.tasks=[tint]", "tint.train_fracs=[]", "tint.task=null"],
+     ["tint.train_fracs", "tint.task", "nothing to evaluate"]),
+    ("learned", ["eval.tasks=[tint]", "tint.task=null", "tint.sim_batches=0"],
+     ["tint.sim_batches=0", "drop tint_sim from tint.methods"]),
+    ("learned", ["eval.tasks=[tint]", "tint.task=null", "tint.n_layers=2"],
+     ["tint.n_layers=2", "has 1 layer", "[1, 1]"]),
+    ("learned", ["eval.tasks=[tint]", "tint.task=null", "tint.seq_len=128"],
+     ["tint.seq_len=128", "block_size=64", "[2, 64]"]),
+    ("learned", ["eval.tasks=[tint]", "tint.task=null", "tint.sim_K=7"], ["tint.sim_K=7", "tint.sim_K=null"]),
+]
+
+
+@pytest.mark.parametrize("which, overrides, parts", BAD_OPTIONS, ids=[" ".join(o[-1:]) for _, o, _ in BAD_OPTIONS])
+def test_bad_options_fail_naming_the_option_and_the_fix(which, overrides, parts, request):
+    ckpt = request.getfixturevalue(f"{which}_checkpoint")
+    message = error_of([f"ckpt={ckpt}", *overrides])
+    for part in parts:
+        assert part in message
+
+
+def test_lm_eval_limit_accepts_what_lm_eval_reads():
+    for limit in (None, 1, 100, 0.5, 1e-3):
+        check_limit(limit)
+    for limit in (0, -1, 0.0, 1.0, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="lm_eval.limit"):
+            check_limit(limit)
+
+
+def test_no_hub_and_no_local_copies_is_an_error_not_a_run_of_skips(tiny_checkpoint, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub_reachable.cache_clear()
+    message = error_of([f"ckpt={tiny_checkpoint}", "eval.tasks=[lm_eval]", "lm_eval.preset=fox",
+                        "lm_eval.offline=auto", "lm_eval.data_root=/nonexistent/eval"])
+    hub_reachable.cache_clear()
+    assert "/nonexistent/eval" in message and "Hub does not answer" in message and "lm_eval.data_root" in message
+
+
+def test_unknown_tint_option_is_named():
+    """Hydra refuses tint.lrr=1 on the command line; a config built another way meets options()."""
+    ctx = types.SimpleNamespace(cfg=OmegaConf.create({"tint": {"lrr": 1}}))
+    with pytest.raises(ValueError, match=r"unknown tint options \['lrr'\]; valid: .*'lr'"):
+        evaluation.tint.options(ctx)
+
+
+@pytest.mark.slow        # indexes every task of the installed lm-eval (several seconds)
+def test_unknown_lm_eval_task_names_it_and_says_how_to_list_tasks(tiny_checkpoint):
+    message = error_of([f"ckpt={tiny_checkpoint}", "eval.tasks=[lm_eval]", "lm_eval.tasks=[hellaswg]",
+                        "lm_eval.offline=false"])
+    assert "hellaswg" in message and "did you mean hellaswag" in message and "lm-eval ls tasks" in message
+
+
+def test_a_bad_option_stops_eval_before_any_evaluation(tmp_path):
+    run_dir = write_checkpoint(tmp_path)
+    message = error_of([f"ckpt={run_dir}", "eval.tasks=[long_context,niah]", "long_context.num_seqs=1",
+                        "niah.depths=[-5]"])
+    assert "niah.depths=-5" in message
+    assert not (run_dir / "long_context.csv").exists() and not (run_dir / "results.json").exists()
+
+
+# ----------------------------------------------------------------------------- no sequence twice
+
+def test_long_context_never_repeats_a_sequence(tiny_checkpoint, small_val, tmp_path):
+    """200 val tokens hold 3 sequences of 64 (+1 target): asking for 5 evaluates those 3, warns, says so."""
+    data, tokens = small_val
+    with pytest.warns(UserWarning, match=r"long_context.num_seqs=5 asks for 5 .* holds 3 distinct"):
+        got = eval_run([f"ckpt={tiny_checkpoint}", *data, "eval.tasks=[long_context]", "long_context.seq_len=64",
+                        "long_context.num_seqs=5", "long_context.min_len=16", f"out={tmp_path / 'r.json'}"])
+    lc = got["long_context"]
+    assert lc["num_seqs"] == 3 and lc["num_seqs_requested"] == 5
+    model = load_model(str(tiny_checkpoint), "cpu", "fp32")[0]
+    x = torch.tensor(tokens[:193]).long()
+    batches = [(x[i * 64:(i + 1) * 64][None], x[i * 64 + 1:(i + 1) * 64 + 1][None]) for i in range(3)]
+    expected, count = long_context.per_token_loss(model, batches, "cpu")
+    assert count == 3 and lc["loss"] == pytest.approx(expected.mean(), rel=1e-5)
+
+
+def test_long_context_evaluates_exactly_num_seqs(tiny_checkpoint, small_val, tmp_path):
+    data, _ = small_val
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")       # 3 of the 3 distinct sequences: no warning
+        got = eval_run([f"ckpt={tiny_checkpoint}", *data, "eval.tasks=[long_context]", "long_context.seq_len=32",
+                        "long_context.num_seqs=3", "long_context.batch_size=2", "long_context.min_len=16",
+                        f"out={tmp_path / 'r.json'}"])
+    assert got["long_context"]["num_seqs"] == 3
+
+
+def test_heldout_reads_each_val_token_once(tiny_checkpoint, small_val, tmp_path):
+    data, tokens = small_val
+    with pytest.warns(UserWarning, match="eval.val_tokens"):
+        got = eval_run([f"ckpt={tiny_checkpoint}", *data, "eval.val_tokens=100000", "eval.batch_size=1",
+                        f"out={tmp_path / 'r.json'}"])["heldout"]
+    assert got["tokens"] == 3 * 64 and got["tokens_requested"] == 100000
+    model = load_model(str(tiny_checkpoint), "cpu", "fp32")[0]
+    x = torch.tensor(tokens[:193]).long()
+    _, loss = model(x[:192].view(3, 64), x[1:193].view(3, 64))
+    assert got["loss"] == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_tint_driver_end_to_end(learned_checkpoint, small_val, tmp_path, tok):
+    """TinT through eval.py on a GPT-2 style checkpoint: held-out text capped at the distinct sequences
+    the split holds, and a multiple-choice file; tint_ref with lr=0 is the model itself."""
+    data, _ = small_val
+    task = tmp_path / "mc.jsonl"
+    task.write_text("".join(json.dumps({"query": f"Question: is {i} even?", "choices": [" yes", " no"],
+                                        "gold": i % 2}) + "\n" for i in range(4)))
+    with pytest.warns(UserWarning, match="tint.batches x tint.batch_size asks for 40"):
+        got = eval_run([f"ckpt={learned_checkpoint}", *data, "eval.tasks=[tint]", "tint.methods=[vanilla,tint_ref]",
+                        "tint.lr=0", "tint.seq_len=32", "tint.batch_size=2", "tint.batches=20",
+                        f"tint.task_path={task}", "tint.task_shots=1", f"out={tmp_path / 'r.json'}"])["tint"]
+    text = got["text"]["frac_0.5"]
+    assert text["sequences"] == 6 and text["n_train"] == 16 and text["test_tokens"] == 6 * 16
+    assert text["perplexity"]["tint_ref"] == pytest.approx(text["perplexity"]["vanilla"], rel=1e-5)
+    assert got["task"]["examples"] == 3 and got["task"]["acc"]["tint_ref"] == got["task"]["acc"]["vanilla"]
+    message = error_of([f"ckpt={learned_checkpoint}", *data, "eval.tasks=[tint]", f"tint.task_path={task}",
+                        "tint.task_shots=4", f"out={tmp_path / 'r.json'}"])
+    assert "tint.task_shots=4" in message and "holds 4" in message
+
+
+# ----------------------------------------------------------------------------- results.json
+
+def test_results_of_another_checkpoint_are_moved_aside_not_lost(tmp_path):
+    path = tmp_path / "results.json"
+    first = {"checkpoint": str(tmp_path / "ckpt_100.pt"), "heldout": {"loss": 3.0}}
+    evaluation.results.save(str(path), first)
+    assert evaluation.results.load(str(path), str(tmp_path / "ckpt_200.pt")) == {}
+    second = {"checkpoint": str(tmp_path / "ckpt_200.pt"), "heldout": {"loss": 2.5}}
+    moved = evaluation.results.save(str(path), second)
+    assert moved == tmp_path / "results_ckpt_100.json"
+    assert json.loads(moved.read_text()) == first and json.loads(path.read_text()) == second
+    assert evaluation.results.save(str(path), second) is None          # same checkpoint: replaced in place
+    path.write_text('{"checkpoint": "x", "heldout": ')                   # a truncated file
+    with pytest.raises(ValueError, match="results.json is not a results file .* out=PATH"):
+        evaluation.results.load(str(path), str(tmp_path / "ckpt_200.pt"))
+
+
+# ----------------------------------------------------------------------------- padded vocabulary
+
+def test_generate_until_never_decodes_a_padded_vocabulary_id(tok):
+    """The model has 50304 outputs, the tokenizer 50257 ids; make ids 50257..50303 win every step by
+    far. generate_until (greedy and sampled) must still return text: GPT.generate never proposes an
+    id the tokenizer cannot decode (needs GPTConfig.tokenizer_vocab_size, the model's fix)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, norm="layernorm", bias=True, tokenizer_vocab_size=tok.n_vocab)).eval()
+    with torch.no_grad():                 # final hidden state = all ones; padded rows score n_embd = 32
+        model.norm_f.weight.zero_()
+        model.norm_f.bias.fill_(1.0)
+        model.lm_head.weight[tok.n_vocab:] = 1.0
+    ids = torch.tensor([[tok.eot_token] + tok.encode_ordinary("Once upon a time")])
+    assert model(ids)[0][0, -1].argmax() >= tok.n_vocab              # the padded ids do dominate
+    assert model.generate(ids, 8, temperature=1.0)[0, ids.size(1):].max() < tok.n_vocab
+    lm = GPTLM(model, tok)
+    requests = [instance("generate_until", "Once upon a time", {"until": [], "max_gen_toks": 8}),
+                instance("generate_until", "Once upon a time", {"until": [], "max_gen_toks": 8, "do_sample": True,
+                                                                "temperature": 1.0})]
+    greedy, sampled = lm.generate_until(requests)
+    assert greedy == tok.decode(model.generate(ids, 8, temperature=0)[0, ids.size(1):].tolist())
+    assert isinstance(sampled, str)
+
+
+@pytest.mark.slow        # builds and runs the TinT simulator (several seconds)
+def test_tint_driver_simulator_agrees_with_the_reference(learned_checkpoint, small_val, tmp_path):
+    """tint_sim through eval.py: its parameter count is the formula's and its logits are the reference
+    update's, on held-out text and on a multiple-choice question."""
+    data, _ = small_val
+    task = tmp_path / "mc.jsonl"
+    task.write_text(json.dumps({"query": "Question: which is larger?", "choices": [" two", " one"], "gold": 0}) + "\n")
+    got = eval_run([f"ckpt={learned_checkpoint}", *data, "eval.tasks=[tint]",
+                    "tint.methods=[vanilla,tint_ref,tint_sim]", "tint.dtype=fp64", "tint.lr=1e-2", "tint.seq_len=16", "tint.batch_size=1", "tint.batches=1",
+                    f"tint.task_path={task}", "tint.sim_examples=1", f"out={tmp_path / 'r.json'}"])["tint"]
+    assert got["simulator"]["params_built"] == got["simulator"]["params_formula"]
+    sim = got["text"]["frac_0.5"]["sim_subset"]
+    assert sim["max_abs_logit_diff_sim_vs_ref"] <= 1e-8
+    assert sim["perplexity"]["tint_sim"] == pytest.approx(sim["perplexity"]["tint_ref"], rel=1e-9)
+    assert sim["perplexity"]["tint_ref"] != pytest.approx(sim["perplexity"]["vanilla"], rel=1e-9)   # lr moved it
+    assert got["task"]["sim_subset"]["acc"]["tint_sim"] == got["task"]["sim_subset"]["acc"]["tint_ref"]

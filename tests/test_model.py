@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
-from model.gpt import (ATTENTIONS, GPT, GPTConfig, apply_rope, keys_per_query, mlp_hidden_size, rope_tables,
-                       sample_token, split_heads)
+from model.gpt import (ATTENTIONS, GPT, GPTConfig, apply_rope, check_sampling_options, keys_per_query,
+                       mlp_hidden_size, rope_tables, sample_token, split_heads)
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
@@ -158,6 +158,51 @@ def test_learned_positions_refuse_overlong_generation():
     model = GPT(tiny(**GPT2)).eval()
     with pytest.raises(ValueError, match="block_size"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 5)
+
+
+@pytest.mark.parametrize("config", variant_configs())
+def test_generation_never_proposes_padding_ids(config):
+    """The padding rows' logits dominate (as after a few steps of training they can), yet every
+    generated id is one the tokenizer can decode: greedy, hot sampling, top-k, top-p, with and
+    without the cache."""
+    config.tokenizer_vocab_size = 80
+    model = GPT(config).eval()
+    model.lm_head.register_forward_hook(lambda _m, _i, logits: logits.index_add(
+        -1, torch.arange(80, config.vocab_size), torch.full((config.vocab_size - 80,), 50.0).expand(
+            *logits.shape[:-1], -1)))
+    prompt = torch.randint(0, 80, (3, 5))
+    padded_first = model(prompt)[0][:, -1].argmax(-1)
+    assert (padded_first >= 80).all()           # the padding ids would win without the fix
+    for kwargs in (dict(temperature=0), dict(temperature=1.5), dict(temperature=2.0, top_k=30),
+                   dict(temperature=1.0, top_p=0.5), dict(temperature=0, use_cache=False)):
+        out = model.generate(prompt, 12, **kwargs)
+        assert out[:, 5:].max().item() < 80, kwargs
+
+
+@pytest.mark.parametrize("bad, name", [
+    (dict(max_new_tokens=-5), "max_new_tokens"), (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"), (dict(temperature=-1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature="hot"), "temperature"),
+    (dict(top_k=-3), "top_k"), (dict(top_k=1.5), "top_k"), (dict(top_p=0), "top_p"),
+    (dict(top_p=1.5), "top_p"), (dict(top_p=-0.1), "top_p")])
+def test_sampling_options_out_of_range_are_named(bad, name):
+    options = dict(max_new_tokens=4, temperature=0.8, top_k=None, top_p=None) | bad
+    with pytest.raises(ValueError, match=f"^{name}="):
+        check_sampling_options(**options)
+    model = GPT(tiny()).eval()
+    with pytest.raises(ValueError, match=f"^{name}="):
+        model.generate(torch.zeros(1, 2, dtype=torch.long), **options)
+
+
+def test_sampling_options_in_range_pass():
+    for options in (dict(max_new_tokens=1, temperature=0, top_k=0, top_p=1),
+                    dict(max_new_tokens=3, temperature=2, top_k=1, top_p=0.01)):
+        check_sampling_options(**options)
+
+
+def test_tokenizer_vocab_size_must_fit_the_embedding():
+    with pytest.raises(ValueError, match="tokenizer_vocab_size"):
+        tiny(tokenizer_vocab_size=98)
 
 
 def test_sample_token_filters():

@@ -1,7 +1,8 @@
-"""model/tint.py: TinT's reference update (two recipes) and the simulator (tint.md §5.5 invariants).
+"""model/tint: TinT's reference update (two recipes) and the simulator, checked against each other.
 
 Everything runs in float64 on CPU with tiny auxiliary GPTs (D = 48, 4 heads, 2 layers, K = 16 prefix
-rows, S = 3, D_s = 192: the test size of tint.md §5.3).
+rows, S = 3, D_s = 192). I1 .. I14 label the invariants checked; section, appendix and definition
+numbers refer to TinT, arXiv:2307.01189.
 """
 import math
 
@@ -18,7 +19,6 @@ from model.tint import (
     SideChannel,
     SimConfig,
     TinT,
-    _Ctx,
     decode_linear,
     dyn_eval_reference,
     encode_linear,
@@ -29,6 +29,7 @@ from model.tint import (
     tint_reference,
     tint_update,
 )
+from model.tint.simulator import _Ctx
 
 GPT2 = {"norm": "layernorm", "mlp": "gelu", "pos": "learned", "bias": True}
 LLAMA = {"norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False}
@@ -230,7 +231,7 @@ SIM_CASES = {
     "gpt2_steps2": ({}, {"n_steps": 2}),                                 # I12
     "gpt2_no_bias": ({"bias": False}, {}),
     "gpt2_padded_mlp_no_pos": ({"mlp_hidden": 100, "pos": "none"}, {}),   # 3 FFN chunks, the last zero-padded
-    # LLaMA style (our extension, §5.4): group-RMSNorm, GLU primitive, RoPE in the softmax heads; S = 4
+    # LLaMA style (our extension of App. I): group-RMSNorm, GLU primitive, RoPE in the softmax heads; S = 4
     "llama": (LLAMA, {}),                                                # SwiGLU 128 -> 3 chunks of 48, padded
     "llama_top1_steps2": (LLAMA, {"n_layers": 1, "n_steps": 2}),
     "llama_bias": ({**LLAMA, "bias": True}, {}),
@@ -260,8 +261,8 @@ def test_simulator_equals_reference(case):
 
 @pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_simulator_fp32(style):
-    """I7 in fp32: the eps_fd = 1e-3 finite differences lose ~1e-4 relative, tint.md's fp32 tolerance is
-    1e-3 on the logits."""
+    """I7 in fp32: the eps_fd = 1e-3 finite differences lose ~1e-4 relative; the fp32 tolerance is 1e-3
+    on the logits."""
     model, idx = aux(style).float(), tokens()
     out = TinT.from_model(model, lr=LR)(idx, N_TRAIN)
     assert out.dtype == torch.float32
@@ -360,7 +361,7 @@ def test_side_channels_are_copy_only():
 
 def test_parameter_count_formula():
     """I10: the simulator's parameter count is tint_param_formula's exact integer; the paper's Table 1
-    formula gives 0.431 / 0.424 / 0.421 b for OPT-125m (tint.md §3.15)."""
+    formula gives 0.431 / 0.424 / 0.421 b for OPT-125m (Table 1 prints 0.4 b each)."""
     for style, opts in [(GPT2, {}), ({**GPT2, "bias": False}, {"n_layers": 1}), (LLAMA, {})]:
         sim = TinT.from_model(aux(style), lr=LR, **opts)
         assert sim.num_params() == tint_param_formula(sim.cfg)["total"]
@@ -497,7 +498,7 @@ def _rand(g, *shape, scale=1.0, shift=0.0):
     return scale * torch.randn(*shape, generator=g, dtype=torch.float64) + shift
 
 
-# fp64 formulas of the spec, written out (tint.md §1.1, §2.3)
+# fp64 formulas of the auxiliary block and its approximate backward, written out (§2.4, App. E-F)
 def _ln(x, eps):
     mu = x.mean(-1, keepdim=True)
     return (x - mu) / torch.sqrt(((x - mu) ** 2).mean(-1, keepdim=True) + eps)
@@ -518,7 +519,7 @@ def _silu(z):
 @pytest.mark.parametrize("which, kw", [("o", {}), ("ln2", {}), ("o", {"bias": False})],
                          ids=["linear", "norm_bias_only", "bias_free"])
 def test_bias_heads(which, kw):
-    """Bias heads (§3.4, §3.6): Linear Forward adds prefix row 0's bias slot (the other rows' copies are
+    """Bias heads (App. C): Linear Forward adds prefix row 0's bias slot (the other rows' copies are
     never read); [Backward || Descent] ignores the bias on the token rows and takes lr_b sum_train dy from
     row 0's bias slot only. As wired in the simulator: lr_b = lr_w = lr for linear maps, lr_w = 0 for the
     norms (the weight slots, diag(gamma) there, stay as they are), lr_b = 0 in bias-free models."""
@@ -551,8 +552,8 @@ def test_bias_heads(which, kw):
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_group_norm_on_a_block(kind):
-    """Group norm (§3.1 item 3): each listed D-block of the token rows is normalised on its own (the
-    LayerNorm / RMSNorm normaliser with norm_eps); the LN forward module (§3.8) then gives
+    """Group norm (App. E, Def. E.3): each listed D-block of the token rows is normalised on its own (the
+    LayerNorm / RMSNorm normaliser with norm_eps); the LN forward module (App. E) then gives
     gamma * N(x) + beta on the signal and keeps (N(x), x) in its memory blocks (B_{S-1}, B_S)."""
     sim, ctx, _, g = _unit_sim(5, **ODD, norm=kind)
     cfg = sim.cfg
@@ -592,7 +593,7 @@ def _check_fd(run, formula, exact):
 
 @pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
 def test_norm_backward_fd_module(kind):
-    """Norm backward (§3.8) with the memory (N(x), x): the signal becomes FD_N(x, gamma dy) =
+    """Norm backward (App. E) with the memory (N(x), x): the signal becomes FD_N(x, gamma dy) =
     (N(x + eps gamma dy) - N(x)) / eps -> J_N (gamma dy), J_N = (I - 11^T / D - z z^T / D) / sigma
     (LayerNorm; RMSNorm: (I - z z^T / D) / rms); in parallel beta -= lr sum_train dy (LayerNorm only),
     gamma kept; the memory blocks are kept."""
@@ -623,7 +624,7 @@ def test_norm_backward_fd_module(kind):
 
 
 def test_activation_backward_fd_module():
-    """Activation backward (§3.9), one MLP with z from memory: the signal becomes FD_sigma(z, dg) =
+    """Activation backward (App. F), one MLP with z from memory: the signal becomes FD_sigma(z, dg) =
     (gelu(z + eps dg) - gelu(z)) / eps -> gelu'(z) dg (GPT-2's tanh GELU); everything else kept."""
     g = torch.Generator().manual_seed(2)
     D = ODD["n_embd"]
@@ -643,7 +644,7 @@ def test_activation_backward_fd_module():
 
 
 def test_glu_backward_fd_module():
-    """SwiGLU backward (Def. I.7, §5.4 item 2), one GLU layer with (a, b) = (gate, up) pre-activations from
+    """SwiGLU backward (Def. I.7), one GLU layer with (a, b) = (gate, up) pre-activations from
     memory (B_{S-1}, B_S) and dm on the signal: d_gate = (silu(a + eps dm) - silu(a)) b / eps ->
     silu'(a) dm b on the signal, d_up = silu(a) dm (exact) in B_{S-1}."""
     g = torch.Generator().manual_seed(3)
@@ -667,7 +668,7 @@ def test_glu_backward_fd_module():
 
 @pytest.mark.parametrize("transpose", [False, True], ids=["forward", "transposed"])
 def test_softmax_attention_modules(transpose):
-    """Self-attention (§3.10) with q, k in B_{S-2}, B_{S-1} and the values on the signal, per auxiliary
+    """Self-attention (App. D) with q, k in B_{S-2}, B_{S-1} and the values on the signal, per auxiliary
     head h: A^h = causal softmax(q^h k^hT / sqrt(d_a)) over the tokens (prefix columns masked). The
     forward module gives a^h = A^h v^h; the dv module (T1) gives A^hT da^h, row t using column j iff
     j == t or j > t with m_j = 1. Everything but the signal, and the prefix rows, kept. 7 heads of
@@ -688,57 +689,6 @@ def test_softmax_attention_modules(transpose):
         want[:, sl] = (A.T * use) @ v[:, sl] if transpose else A @ v[:, sl]
     assert (out[0, K:, :D] - want).abs().max() <= 1e-12
     assert _kept(out, e, cfg, [0])
-
-
-# ---------------------------------------------------------------------------- the eval.py driver
-
-def test_tint_eval_driver(monkeypatch, tmp_path):
-    """evaluation/tint.py end to end on a tiny model: held-out text (stub loader) and a multiple-choice
-    file (stub tokenizer); the simulator's parameter count is checked against the formula, and its
-    logits agree with the reference on the subset it scores."""
-    import json
-
-    from omegaconf import OmegaConf
-
-    import data.loader
-    import evaluation.tint
-    from evaluation import EVALUATIONS
-
-    class Loader:
-        def next_batch(self):
-            x = torch.randint(0, V, (2, 14))
-            return x, x
-
-    class Tok:
-        eot_token = 0
-
-        def encode_ordinary(self, text):
-            return [1 + (b % (V - 1)) for b in text.encode()]
-
-    monkeypatch.setattr(data.loader, "build_loader", lambda cfg, split, B, L: Loader())
-    task = tmp_path / "mc.jsonl"
-    task.write_text("\n".join(json.dumps({"query": f"Question: q{i}?", "choices": ["ab", "c"], "gold": i % 2})
-                              for i in range(3)))
-    cfg = OmegaConf.create({"tint": {"lr": 1e-2, "dtype": "fp64", "train_fracs": [0.5], "batch_size": 2,
-                                     "batches": 2, "sim_batches": 1, "task": "arc_easy", "task_path": str(task),
-                                     "task_examples": 3, "sim_examples": 2}})
-
-    class Ctx:
-        pass
-
-    ctx = Ctx()
-    ctx.cfg, ctx.data_cfg, ctx.seq_len, ctx.device = cfg, OmegaConf.create({"tokenizer": "gpt2"}), 14, "cpu"
-    ctx.tokenizer = Tok()
-    res = EVALUATIONS["tint"](aux().float(), ctx)
-    json.dumps(res)
-    assert res["simulator"]["params_built"] == res["simulator"]["params_formula"]
-    text = res["text"]["frac_0.5"]
-    assert text["n_train"] == 7 and set(text["perplexity"]) == {"vanilla", "dyneval", "tint_ref"}
-    assert text["sim_subset"]["max_abs_logit_diff_sim_vs_ref"] <= 1e-8
-    assert res["task"]["examples"] == 3
-    assert set(res["task"]["sim_subset"]["acc"]) == {"vanilla", "dyneval", "tint_ref", "tint_sim"}
-    with pytest.raises(ValueError):
-        evaluation.tint.options(type("C", (), {"cfg": OmegaConf.create({"tint": {"lrr": 1}})})())
 
 
 def test_default_config_matches_driver_defaults():

@@ -1,55 +1,27 @@
-"""TinT — Trainable Transformer in Transformer (Panigrahi, Malladi, Xia, Arora; ICML 2024) around our GPT.
+"""The TinT simulator ("TinT-Sim"; arXiv:2307.01189 §2 and App. B-H): a transformer whose own parameters
+do not depend on the auxiliary weights.
 
-TinT is dynamic evaluation done inside one forward pass: it runs an auxiliary GPT (built by
-model/gpt.py) on a sequence, takes one (or a few) approximate SGD steps on the next-token loss of
-the sequence's first `n_train` tokens (the *training segment*), and scores the remaining tokens (the
-*test segment*) with the updated auxiliary model. The spec is ../shared/spec/tint.md; § numbers
-below refer to it.
+The auxiliary weights are *data*: they sit on K prefix rows placed before the token rows (§2.2,
+Def. 2.1), and linear-attention heads between token rows and prefix rows compute every auxiliary linear
+map: forward W x + b, backward W^T d, descent W <- W - lr * sum_t d_t x_t^T (§2.3, App. C). All its maps
+are H-split (split-wise / dimension-wise) linear maps (App. C.1, Defs. C.4 and C.5).
 
-Two levels live in this file.
+The simulator is modular, as the paper's sizes and the authors' code imply: state travels from a module
+to a much later one only through two explicit side channels, `ActivationMemory` and `PrefixMemory`, whose
+only methods are `put` and `get` and which only clone. (Keeping every layer's memory and updated weights
+in one residual stream instead would need a stream about 20 D wide per simulated layer; making the side
+channels explicit, copy-only classes that a test can audit is the repo's choice.) Everything the
+simulator does to auxiliary data happens in its primitive layers (TinT attention, H-split linear maps,
+group norm, row-wise MLP / GLU, gates) except two declared ops, as in the authors' code (App. G,
+Remark G.3): the embedding lookup at the input and the LM head / loss gradient at the top.
 
-(a) The reference update ("TinT-Ref", §2 and §5.2): the same approximate update computed directly
-    in PyTorch, for GPT-2-style (LayerNorm, GELU, learned positions, biases) and LLaMA-style
-    (RMSNorm, SwiGLU, RoPE, no biases) auxiliary models. The three approximations of TinT:
-      * gradients flow through attention only via the values (W_Q, W_K frozen, A treated as given);
-      * the backward of the norms and of the activation is a first-order finite difference
-        FD_f(x, d) = (f(x + eps*d) - f(x)) / eps  (for SwiGLU: paper Def. I.7, §5.2);
-      * only norm biases are updated (never gains); embeddings and head are frozen;
-    with the loss *summed* over the training segment and all updates taken from the pre-update
-    weights. It is implemented twice, independently, and tests check they agree in fp64:
-      * recipe "explicit" (A): a hand-written backward using the forward cache;
-      * recipe "autograd" (B): the forward with surrogate autograd functions (finite-difference
-        backward for norm and activation, detached attention probabilities), then torch.autograd.
-    Recipe B also gives the exact baselines of §2.10 (dynamic evaluation, matched or full).
+Supported auxiliary models: GPT-2 style (the paper's construction: LayerNorm, GELU, learned or no
+positions, with or without biases) and, as the repo's own extension of the paper's sketches in App. I,
+LLaMA style (group-RMSNorm, a GLU primitive for SwiGLU, RoPE inside the softmax heads; S = D / K >= 4 for
+the extra memory). Both need n_head * head_dim == n_embd and a tied or untied head; not the Pro / FoX /
+CASTLE options.
 
-(b) The simulator ("TinT-Sim", §3 and §5.3): a transformer whose own parameters do not depend on the
-    auxiliary weights. The auxiliary weights are *data*: they sit on K prefix rows placed before the
-    token rows, and linear-attention heads between token rows and prefix rows compute every auxiliary
-    linear map (forward W x + b, backward W^T d, descent W <- W - lr * sum_t d_t x_t^T). All its maps
-    are H-split (split-wise / dimension-wise) linear maps. The simulator is modular, as in the paper's
-    sizes and the official code (§3.13, §7.1): state travels from a module to a much later one only
-    through two explicit side channels, `ActivationMemory` and `PrefixMemory`, whose only methods are
-    `put` and `get` and which only clone. Everything the simulator does to auxiliary data happens in
-    its primitive layers (TinT attention, H-split linear maps, group norm, row-wise MLP / GLU, gates)
-    except two declared ops, as in the official code: the embedding lookup at the input and the LM
-    head / loss gradient at the top (§3.12, "declared op" MVP).
-    Supported auxiliary models: GPT-2 style (the paper's construction: LayerNorm, GELU, learned or no
-    positions, with or without biases) and, as our own extension of §5.4, LLaMA style (group-RMSNorm,
-    a GLU primitive for SwiGLU, RoPE inside the softmax heads; S = D / K >= 4 for the extra memory).
-    Both need n_head * head_dim == n_embd and a tied or untied head; not the Pro / FoX / CASTLE options.
-
-Public API
-    tint_reference(aux_model, idx, n_train, lr=..., **options) -> test-segment logits
-    tint_update(aux_model, idx, n_train, lr=..., **options)    -> per-sequence updated weights
-    TinT.from_model(aux_model, lr=..., **options)(idx, n_train) -> test-segment logits
-    tint_param_formula(sim_config) (our construction, exact) and paper_param_formula(...) (Table 1)
-
-The test-segment logits have shape (B, L - n_train, vocab): entry [:, i] is the model's
-distribution over token idx[:, n_train + i] (logits of positions n_train - 1 .. L - 2).
-
-Conventions (decisions of §7): summed loss (lr is per summed token), the last position carries no
-gradient, eps_fd = 1e-3 by default, kappa = 1 for the MLP output bias, W_Q/W_K/gains/embeddings
-frozen, layers below the top `n_layers` untouched, each sequence of a batch gets its own update.
+Section, appendix, definition and figure numbers below refer to arXiv:2307.01189.
 """
 import math
 from dataclasses import dataclass, field
@@ -59,483 +31,35 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.gpt import apply_rope, mlp_hidden_size, rope_tables
-
-# ============================================================================ auxiliary model access
-
-UNSUPPORTED_FLAGS = ("qk_norm", "kv_shift", "output_gate", "output_norm")
-
-
-def check_aux_model(model):
-    """TinT needs a plain softmax-attention GPT (`attention="baseline"`, no Pro options)."""
-    c = model.config
-    if c.attention != "baseline":
-        raise ValueError(f"TinT wraps GPTs with attention='baseline', got {c.attention!r}")
-    bad = [f for f in UNSUPPORTED_FLAGS if getattr(c, f, False)]
-    if bad:
-        raise ValueError(f"TinT does not support the Pro options {bad} of the auxiliary model")
-    if c.norm not in ("layernorm", "rmsnorm") or c.mlp not in ("gelu", "swiglu"):
-        raise ValueError(f"unsupported norm/mlp {c.norm}/{c.mlp}")
-    if model.training and c.dropout > 0:
-        raise ValueError("put the auxiliary model in eval mode (dropout must be off)")
-
-
-@dataclass
-class AuxArch:
-    """What the update needs to know about the auxiliary architecture."""
-    norm: str
-    mlp: str
-    pos: str
-    n_head: int
-    head_dim: int
-    eps: float
-    n_layer: int
-
-    @classmethod
-    def of(cls, model):
-        c = model.config
-        return cls(c.norm, c.mlp, c.pos, c.n_head, c.head_dim, c.norm_eps, c.n_layer)
-
-
-# names of the per-layer weights in our functional parameter dicts -> (module path, slice of qkv rows)
-LAYER_KEYS = ("ln1_w", "ln1_b", "wq", "bq", "wk", "bk", "wv", "bv", "wo", "bo", "ln2_w", "ln2_b",
-              "w_up", "b_up", "w_gate", "b_gate", "w_down", "b_down")
-# what TinT updates (§1.4; LLaMA style §5.2); gains, W_Q, W_K, embeddings and head stay frozen
-TINT_UPDATE = ("wv", "bv", "wo", "bo", "ln1_b", "ln2_b", "w_up", "b_up", "w_gate", "b_gate",
-               "w_down", "b_down")
-
-
-def layer_params(model, i):
-    """Layer i's weights as a dict (None where the model has no such tensor), views of the model's."""
-    blk = model.blocks[i]
-    inner = blk.attn.n_head * blk.attn.head_dim
-    qkv_w = blk.attn.qkv.weight
-    qkv_b = blk.attn.qkv.bias
-    p = {"ln1_w": blk.norm_attn.weight, "ln1_b": getattr(blk.norm_attn, "bias", None),
-         "wq": qkv_w[:inner], "wk": qkv_w[inner:2 * inner], "wv": qkv_w[2 * inner:],
-         "bq": None if qkv_b is None else qkv_b[:inner], "bk": None if qkv_b is None else qkv_b[inner:2 * inner],
-         "bv": None if qkv_b is None else qkv_b[2 * inner:],
-         "wo": blk.attn.out.weight, "bo": blk.attn.out.bias,
-         "ln2_w": blk.norm_mlp.weight, "ln2_b": getattr(blk.norm_mlp, "bias", None),
-         "w_up": blk.mlp.w_up.weight, "b_up": blk.mlp.w_up.bias,
-         "w_down": blk.mlp.w_down.weight, "b_down": blk.mlp.w_down.bias,
-         "w_gate": getattr(getattr(blk.mlp, "w_gate", None), "weight", None),
-         "b_gate": getattr(getattr(blk.mlp, "w_gate", None), "bias", None)}
-    return p
-
-
-def final_params(model):
-    return {"lnf_w": model.norm_f.weight, "lnf_b": getattr(model.norm_f, "bias", None)}
-
-
-def _batched(p, B):
-    """Per-sequence copies (B, ...) of a dict of tensors (None stays None)."""
-    return {k: None if v is None else v.detach().unsqueeze(0).expand(B, *v.shape).clone() for k, v in p.items()}
-
-
-def to_module_state(model, layers, final, start):
-    """Functional dict {parameter name: tensor} for `torch.func.functional_call` from our layer dicts
-    (unbatched, one sequence); `layers[k]` is auxiliary layer start + k."""
-    out = {}
-    for k, p in enumerate(layers):
-        i = start + k
-        pre = f"blocks.{i}."
-        out[pre + "norm_attn.weight"] = p["ln1_w"]
-        out[pre + "attn.qkv.weight"] = torch.cat([p["wq"], p["wk"], p["wv"]], 0)
-        out[pre + "attn.out.weight"] = p["wo"]
-        out[pre + "norm_mlp.weight"] = p["ln2_w"]
-        out[pre + "mlp.w_up.weight"] = p["w_up"]
-        out[pre + "mlp.w_down.weight"] = p["w_down"]
-        if p["w_gate"] is not None:
-            out[pre + "mlp.w_gate.weight"] = p["w_gate"]
-        for key, name in (("ln1_b", "norm_attn.bias"), ("bo", "attn.out.bias"), ("ln2_b", "norm_mlp.bias"),
-                          ("b_up", "mlp.w_up.bias"), ("b_down", "mlp.w_down.bias"), ("b_gate", "mlp.w_gate.bias")):
-            if p[key] is not None:
-                out[pre + name] = p[key]
-        if p["bq"] is not None:
-            out[pre + "attn.qkv.bias"] = torch.cat([p["bq"], p["bk"], p["bv"]], 0)
-    out["norm_f.weight"] = final["lnf_w"]
-    if final["lnf_b"] is not None:
-        out["norm_f.bias"] = final["lnf_b"]
-    return out
-
-
-# ============================================================================ (a) reference update
-
-@dataclass
-class UpdateOptions:
-    """Options of the reference update (§5.2). The defaults are TinT's."""
-    lr: float = 1e-4
-    n_layers: int | None = None           # top n_sim layers updated; None: all
-    n_steps: int = 1
-    fd_eps: float = 1e-3
-    method: str = "explicit"              # "explicit" (recipe A) | "autograd" (recipe B)
-    attn_grad: str = "value_only"         # "value_only" (TinT) | "full"         (autograd only)
-    norm_grad: str = "fd"                 # "fd" (TinT) | "exact"                 (autograd only)
-    act_grad: str = "fd"                  # "fd" (TinT) | "exact"                 (autograd only)
-    update_set: str = "tint"              # "tint" (§1.4) | "all" (every weight of the top blocks + norm_f)
-    mlp_out_bias_lr_mult: float = 1.0     # kappa: 1, or 4 to reproduce the official code's quirk (§2.9)
-
-    def __post_init__(self):
-        for name, allowed in (("method", ("explicit", "autograd")), ("attn_grad", ("value_only", "full")),
-                              ("norm_grad", ("fd", "exact")), ("act_grad", ("fd", "exact")),
-                              ("update_set", ("tint", "all"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r}; choose one of {allowed}")
-        if self.method == "explicit" and (self.attn_grad, self.norm_grad, self.act_grad, self.update_set) != \
-                ("value_only", "fd", "fd", "tint"):
-            raise ValueError("the explicit recipe computes TinT's update only; use method='autograd' for the "
-                             "exact-gradient variants")
-        if self.n_steps < 1:
-            raise ValueError("n_steps must be >= 1")
-        if self.fd_eps <= 0:
-            raise ValueError("fd_eps must be > 0")
-
-
-def make_masks(idx, n_train, label_mask=None):
-    """train mask m (B, T) (1 on the training segment) and loss weights c (B, T): c_t = m_{t+1} lambda_{t+1}
-    for t < T - 1 and c_{T-1} = 0 (§2.2)."""
-    B, T = idx.shape
-    if not 1 <= n_train <= T:
-        raise ValueError(f"n_train={n_train} must be in [1, {T}]")
-    m = torch.zeros(B, T, device=idx.device)
-    m[:, :n_train] = 1
-    lam = torch.ones(B, T, device=idx.device) if label_mask is None else label_mask.to(idx.device).float()
-    c = torch.zeros(B, T, device=idx.device)
-    c[:, :-1] = m[:, 1:] * lam[:, 1:]
-    return m, c
-
-
-def _normalize(x, kind, eps):
-    """The norm without its affine part: N(x) (LayerNorm) or x / rms(x) (RMSNorm)."""
-    if kind == "layernorm":
-        return F.layer_norm(x, (x.size(-1),), eps=eps)
-    return F.rms_norm(x, (x.size(-1),), eps=eps)
-
-
-def _act(z):
-    return F.gelu(z, approximate="tanh")
-
-
-def fd(f, x, d, eps):
-    """First-order finite difference (f(x + eps d) - f(x)) / eps (§2.3)."""
-    return (f(x + eps * d) - f(x)) / eps
-
-
-class _FDNorm(torch.autograd.Function):
-    """N(x) whose backward is the finite difference FD_N(x, grad) (recipe B)."""
-
-    @staticmethod
-    def forward(ctx, x, kind, eps, fd_eps):
-        ctx.save_for_backward(x)
-        ctx.cfg = (kind, eps, fd_eps)
-        return _normalize(x, kind, eps)
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        kind, eps, fd_eps = ctx.cfg
-        return fd(lambda t: _normalize(t, kind, eps), x, g, fd_eps), None, None, None
-
-
-class _FDAct(torch.autograd.Function):
-    """GELU (tanh) whose backward is FD_sigma(z, grad)."""
-
-    @staticmethod
-    def forward(ctx, z, fd_eps):
-        ctx.save_for_backward(z)
-        ctx.fd_eps = fd_eps
-        return _act(z)
-
-    @staticmethod
-    def backward(ctx, g):
-        (z,) = ctx.saved_tensors
-        return fd(_act, z, g, ctx.fd_eps), None
-
-
-class _FDGLU(torch.autograd.Function):
-    """silu(a) * b with d_b = g silu(a) (exact) and d_a = [silu(a + eps g) - silu(a)] b / eps (Def. I.7)."""
-
-    @staticmethod
-    def forward(ctx, a, b, fd_eps):
-        ctx.save_for_backward(a, b)
-        ctx.fd_eps = fd_eps
-        return F.silu(a) * b
-
-    @staticmethod
-    def backward(ctx, g):
-        a, b = ctx.saved_tensors
-        return fd(F.silu, a, g, ctx.fd_eps) * b, g * F.silu(a), None
-
-
-class _Ops:
-    """The pieces of the forward that TinT's backward approximates; `surrogate` picks recipe B's versions."""
-
-    def __init__(self, arch, opts=None, surrogate=False):
-        self.arch, self.opts, self.surrogate = arch, opts, surrogate
-
-    def norm(self, x):
-        if self.surrogate and self.opts.norm_grad == "fd":
-            return _FDNorm.apply(x, self.arch.norm, self.arch.eps, self.opts.fd_eps)
-        return _normalize(x, self.arch.norm, self.arch.eps)
-
-    def act(self, z):
-        if self.surrogate and self.opts.act_grad == "fd":
-            return _FDAct.apply(z, self.opts.fd_eps)
-        return _act(z)
-
-    def glu(self, a, b):
-        if self.surrogate and self.opts.act_grad == "fd":
-            return _FDGLU.apply(a, b, self.opts.fd_eps)
-        return F.silu(a) * b
-
-    def probs(self, A):
-        if self.surrogate and self.opts.attn_grad == "value_only":
-            return A.detach()
-        return A
-
-
-def _lin(x, w, b):
-    """x (B, T, in) with per-sequence weights w (B, out, in), b (B, out) or None."""
-    y = torch.matmul(x, w.transpose(1, 2))
-    return y if b is None else y + b[:, None, :]
-
-
-def _affine(n, w, b):
-    y = n * w[:, None, :]
-    return y if b is None else y + b[:, None, :]
-
-
-def _block_forward(p, h, arch, rope, ops):
-    """One auxiliary block with per-sequence weights; returns (output, cache) (§2.1)."""
-    B, T, _ = h.shape
-    H, dh = arch.n_head, arch.head_dim
-    c = {"h": h}
-    c["n1"] = n1 = ops.norm(h)
-    c["u"] = u = _affine(n1, p["ln1_w"], p["ln1_b"])
-    q, k, v = (_lin(u, p[w], p[b]).view(B, T, H, dh).transpose(1, 2)
-               for w, b in (("wq", "bq"), ("wk", "bk"), ("wv", "bv")))
-    q, k = apply_rope(q, rope), apply_rope(k, rope)
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(dh)
-    causal = torch.ones(T, T, dtype=torch.bool, device=h.device).tril()
-    c["A"] = A = ops.probs(torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1))
-    c["a"] = a = torch.matmul(A, v).transpose(1, 2).reshape(B, T, H * dh)
-    c["h1"] = h1 = h + _lin(a, p["wo"], p["bo"])
-    c["n2"] = n2 = ops.norm(h1)
-    c["r"] = r = _affine(n2, p["ln2_w"], p["ln2_b"])
-    if arch.mlp == "gelu":
-        c["z"] = z = _lin(r, p["w_up"], p["b_up"])
-        c["g"] = g = ops.act(z)
-    else:
-        c["za"] = za = _lin(r, p["w_gate"], p["b_gate"])
-        c["zb"] = zb = _lin(r, p["w_up"], p["b_up"])
-        c["g"] = g = ops.glu(za, zb)
-    return h1 + _lin(g, p["w_down"], p["b_down"]), c
-
-
-def _embed(model, idx):
-    x = model.wte.weight[idx]
-    if model.wpe is not None:
-        x = x + model.wpe.weight[: idx.size(1)]
-    return x
-
-
-def _lower_forward(model, idx, start):
-    """Input of layer `start` (the first simulated one), computed with the frozen lower layers."""
-    x = _embed(model, idx)
-    rope = model._rope(0, idx.size(1), idx.device)
-    for blk in model.blocks[:start]:
-        x = blk(x, rope)
-    return x.detach()
-
-
-def _head_logits(model, f):
-    return f @ model.lm_head.weight.t()
-
-
-def _descent_sum(d, x, m):
-    """sum_t m_t d_t x_t^T per sequence: (B, out, in)."""
-    return torch.einsum("bto,bti->boi", d * m[..., None], x)
-
-
-def _bias_sum(d, m):
-    return (d * m[..., None]).sum(1)
-
-
-def _explicit_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
-    """Recipe A: forward with cache, then the hand-written approximate backward of §2.3.
-    Returns gradients {layer k: {key: grad}}, {"lnf_b": grad} (descent directions, before -lr)."""
-    ops = _Ops(arch)
-    eps = opts.fd_eps
-    norm = lambda x: _normalize(x, arch.norm, arch.eps)
-    h, caches = h_in, []
-    for p in layers:
-        h, cache = _block_forward(p, h, arch, rope, ops)
-        caches.append(cache)
-    nf = norm(h)
-    f = _affine(nf, final["lnf_w"], final["lnf_b"])
-    logits = _head_logits(model, f)
-    target = torch.zeros_like(logits).scatter_(-1, idx.roll(-1, 1)[..., None], 1.0)
-    df = c[..., None] * (torch.softmax(logits, -1) - target) @ model.lm_head.weight           # §2.2
-    grads_final = {"lnf_b": _bias_sum(df, m) if final["lnf_b"] is not None else None}
-    dh = fd(norm, h, final["lnf_w"][:, None] * df, eps)
-    grads = [None] * len(layers)
-    for k in reversed(range(len(layers))):
-        p, cc = layers[k], caches[k]
-        g = {}
-        # MLP branch
-        dy = torch.matmul(dh, p["w_down"])                       # dL/d(MLP hidden output)
-        g["w_down"] = _descent_sum(dh, cc["g"], m)
-        g["b_down"] = _bias_sum(dh, m) * opts.mlp_out_bias_lr_mult if p["b_down"] is not None else None
-        if arch.mlp == "gelu":
-            dz = fd(_act, cc["z"], dy, eps)                      # approx. 1
-            dr = torch.matmul(dz, p["w_up"])
-            g["w_up"], g["b_up"] = _descent_sum(dz, cc["r"], m), _bias_sum(dz, m) if p["b_up"] is not None else None
-        else:
-            d_up = dy * F.silu(cc["za"])
-            d_gate = fd(F.silu, cc["za"], dy, eps) * cc["zb"]
-            dr = torch.matmul(d_gate, p["w_gate"]) + torch.matmul(d_up, p["w_up"])
-            g["w_up"], g["w_gate"] = _descent_sum(d_up, cc["r"], m), _descent_sum(d_gate, cc["r"], m)
-            g["b_up"] = _bias_sum(d_up, m) if p["b_up"] is not None else None
-            g["b_gate"] = _bias_sum(d_gate, m) if p["b_gate"] is not None else None
-        g["ln2_b"] = _bias_sum(dr, m) if p["ln2_b"] is not None else None
-        dh1 = dh + fd(norm, cc["h1"], p["ln2_w"][:, None] * dr, eps)   # approx. 2
-        # attention branch: value path only (approx. 3)
-        da = torch.matmul(dh1, p["wo"])
-        g["wo"], g["bo"] = _descent_sum(dh1, cc["a"], m), _bias_sum(dh1, m) if p["bo"] is not None else None
-        B, T, _ = da.shape
-        da_h = da.view(B, T, arch.n_head, arch.head_dim).transpose(1, 2)
-        eye = torch.eye(T, dtype=torch.bool, device=da.device)
-        use = (eye | m.bool()[:, :, None])[:, None]              # A_{j,t} used iff j == t or m_j = 1
-        dv = torch.matmul((cc["A"] * use).transpose(-1, -2), da_h).transpose(1, 2).reshape(B, T, -1)
-        g["wv"], g["bv"] = _descent_sum(dv, cc["u"], m), _bias_sum(dv, m) if p["bv"] is not None else None
-        du = torch.matmul(dv, p["wv"])
-        g["ln1_b"] = _bias_sum(du, m) if p["ln1_b"] is not None else None
-        dh = dh1 + fd(norm, cc["h"], p["ln1_w"][:, None] * du, eps)
-        grads[k] = g
-    return grads, grads_final
-
-
-def _autograd_grads(model, arch, layers, final, h_in, idx, m, c, opts, rope):
-    """Recipe B: surrogate forward + torch.autograd on the masked summed loss (§2.8 B)."""
-    ops = _Ops(arch, opts, surrogate=True)
-    keys = TINT_UPDATE if opts.update_set == "tint" else LAYER_KEYS
-    with torch.enable_grad():
-        leaves = []
-        layers = [dict(p) for p in layers]
-        for p in layers:
-            for key in keys:
-                if p[key] is not None:
-                    p[key] = p[key].detach().requires_grad_(True)
-                    leaves.append(p[key])
-        final = dict(final)
-        fkeys = ("lnf_b",) if opts.update_set == "tint" else ("lnf_w", "lnf_b")
-        for key in fkeys:
-            if final[key] is not None:
-                final[key] = final[key].detach().requires_grad_(True)
-                leaves.append(final[key])
-        h = h_in
-        for p in layers:
-            h, _ = _block_forward(p, h, arch, rope, ops)
-        f = _affine(ops.norm(h), final["lnf_w"], final["lnf_b"])
-        logits = _head_logits(model, f)
-        nll = F.cross_entropy(logits.flatten(0, 1), idx.roll(-1, 1).flatten(), reduction="none")
-        loss = (nll * c.flatten()).sum()
-        gl = torch.autograd.grad(loss, leaves, allow_unused=True)
-    it = iter(gl)
-    grads = []
-    for p in layers:
-        g = {}
-        for key in keys:
-            if p[key] is not None:
-                gk = next(it)
-                g[key] = torch.zeros_like(p[key]) if gk is None else gk
-        if g.get("b_down") is not None:
-            g["b_down"] = g["b_down"] * opts.mlp_out_bias_lr_mult
-        grads.append(g)
-    gf = {}
-    for key in fkeys:
-        if final[key] is not None:
-            gk = next(it)
-            gf[key] = torch.zeros_like(final[key]) if gk is None else gk
-    return grads, gf
-
-
-def tint_update(aux_model, idx, n_train, lr=None, label_mask=None, **options):
-    """TinT's approximate update (§2) for every sequence of idx (B, L) on its first n_train tokens.
-
-    Returns (layers, final, start): `layers[k]` holds the per-sequence (B, ...) weights of auxiliary
-    layer start + k after n_steps steps, `final` the final norm's. Never mutates the model.
-    """
-    opts = UpdateOptions(**({} if lr is None else {"lr": lr}), **options)
-    check_aux_model(aux_model)
-    arch = AuxArch.of(aux_model)
-    B, T = idx.shape
-    n_sim = arch.n_layer if opts.n_layers is None else opts.n_layers
-    if not 1 <= n_sim <= arch.n_layer:
-        raise ValueError(f"n_layers={n_sim} must be in [1, {arch.n_layer}]")
-    start = arch.n_layer - n_sim
-    m, c = make_masks(idx, n_train, label_mask)
-    dtype = aux_model.wte.weight.dtype
-    m, c = m.to(dtype), c.to(dtype)
-    with torch.no_grad():
-        h_in = _lower_forward(aux_model, idx, start)
-        rope = aux_model._rope(0, T, idx.device)
-        layers = [_batched(layer_params(aux_model, i), B) for i in range(start, arch.n_layer)]
-        final = _batched(final_params(aux_model), B)
-        grad_fn = _explicit_grads if opts.method == "explicit" else _autograd_grads
-        for _ in range(opts.n_steps):
-            grads, gfinal = grad_fn(aux_model, arch, layers, final, h_in, idx, m, c, opts, rope)
-            # all updates together, from the pre-update weights (§2.4)
-            layers = [{k: (v - opts.lr * g[k] if g.get(k) is not None else v) for k, v in p.items()}
-                      for p, g in zip(layers, grads)]
-            final = {k: (v - opts.lr * gfinal[k] if gfinal.get(k) is not None else v) for k, v in final.items()}
-    return layers, final, start
-
-
-def score_updated(aux_model, layers, final, start, idx, n_train):
-    """Forward the updated auxiliary model (its own code, `functional_call`) per sequence; return the
-    test-segment logits (B, L - n_train, V)."""
-    outs = []
-    with torch.no_grad():
-        for b in range(idx.size(0)):
-            state = to_module_state(aux_model, [{k: None if v is None else v[b] for k, v in p.items()}
-                                                for p in layers],
-                                    {k: None if v is None else v[b] for k, v in final.items()}, start)
-            logits, _ = torch.func.functional_call(aux_model, state, (idx[b:b + 1],))
-            outs.append(logits[:, n_train - 1: idx.size(1) - 1])
-    return torch.cat(outs, 0)
-
-
-def tint_reference(aux_model, idx, n_train, lr=None, label_mask=None, **options):
-    """Test-segment logits (B, L - n_train, V) of the auxiliary model after TinT's update (§5.2)."""
-    layers, final, start = tint_update(aux_model, idx, n_train, lr=lr, label_mask=label_mask, **options)
-    return score_updated(aux_model, layers, final, start, idx, n_train)
-
-
-def dyn_eval_reference(aux_model, idx, n_train, lr, full=False, **options):
-    """Exact-gradient dynamic evaluation baselines (§2.10): 'matched' (TinT's parameter set, summed loss,
-    same lr) or `full=True` (every weight of the top blocks and the final norm; embeddings frozen)."""
-    return tint_reference(aux_model, idx, n_train, lr=lr, method="autograd", attn_grad="full", norm_grad="exact",
-                          act_grad="exact", update_set="all" if full else "tint", **options)
-
-
-# ============================================================================ (b) the simulator
+from model.tint.auxiliary import (
+    check_aux_model,
+    final_params,
+    gelu,
+    layer_params,
+    loss_grad,
+    make_masks,
+    normalize,
+)
+
+
+# ---------------------------------------------------------------------------- layout and configuration
 #
-# Layout (§3.2, §3.3). D = n_embd, K prefix rows, S = D / K >= 3, D_s = (S + 1) D.
+# Layout (§2.2-2.3, App. C). D = n_embd, K prefix rows, S = D / K >= 3, D_s = (S + 1) D.
 # A row is a D_s vector seen as D_s / D channel blocks B0 .. BS of width D, each made of S shards of
 # K channels (shard index = channel // K; the grid of the linear modules is H_L = (S + 1) S rows of K).
 #   token rows:  B0 = the auxiliary signal; B1 .. BS = scratch and the memory a backward module needs
 #                (linear layer input x: BS; norm (N(x), x): (B_{S-1}, BS); attention (q, k, u): B_{S-2..S}).
 #   prefix row j, for a D x D map (W, b): slot s < S (channels [sD, (s+1)D)) holds row w_{sK + j};
 #                the bias slot BS holds b (only row 0's copy is read and updated). A norm (gamma, beta) is
-#                the map diag(gamma) with bias beta. (This is the spec's layout with rows sK + j instead of
-#                jS + s, which makes every re-ordering of the linear modules a whole-shard move.)
+#                the map diag(gamma) with bias beta. (The authors' code puts row jS + s in slot s of prefix
+#                row j; rows sK + j are the repo's choice: they make every re-ordering of the linear modules
+#                a whole-shard move, so each of their maps is a single "dim" H-split stage.)
 # Heads of the linear modules (H_L heads of size K): weight head (s, r) = s S + r reads shard s S + r of
 # the prefix row; bias head s = S^2 + s reads the bias shard S^2 + s.
 
 class SideChannel:
-    """Copy-only store between simulator modules (§3.13, §5.3): `put` stores a clone, `get` returns a
-    clone. It holds no arithmetic, so a test can prove that all computation is in the modules."""
+    """Copy-only store between simulator modules: `put` stores a clone, `get` returns a clone. It holds no
+    arithmetic, so a test can prove that all computation is in the modules."""
 
     def __init__(self):
         self._store = {}
@@ -557,7 +81,9 @@ class PrefixMemory(SideChannel):
 
 @dataclass
 class SimConfig:
-    """Sizes of the simulator built around one auxiliary configuration (§5.3 sizing rule)."""
+    """Sizes of the simulator built around one auxiliary configuration, by the sizing rule of the authors'
+    code: K divides D, S = D / K weight rows per prefix row, D_s = (S + 1) D, H_L = (S + 1) S linear-attention
+    heads of size K."""
     n_embd: int
     n_head: int
     head_dim: int
@@ -623,13 +149,13 @@ class SimConfig:
                    lr=lr, n_layers=config.n_layer if n_layers is None else n_layers, **kw)
 
 
-# ---------------------------------------------------------------------------- primitives (§3.1)
+# ---------------------------------------------------------------------------- primitives
 
 class HSplitLinear(nn.Module):
     """A linear map of R^{D_s} seen as an H x d grid (row h = head h), as a product of H-split stages
-    (§3.7): "dim" (dimension-wise: per column c an H x H matrix, d H^2 parameters) and "split"
-    (split-wise: per row h a d x d matrix, H d^2 parameters). ("dim",) moves and mixes whole rows;
-    ("dim", "split", "dim") realises any re-ordering of the grid cells (three-pass permutation)."""
+    (App. C.1, Defs. C.4 and C.5): "dim" (dimension-wise: per column c an H x H matrix, d H^2 parameters)
+    and "split" (split-wise: per row h a d x d matrix, H d^2 parameters). ("dim",) moves and mixes whole
+    rows; ("dim", "split", "dim") realises any re-ordering of the grid cells (three-pass permutation)."""
 
     def __init__(self, H, d, stages, dtype=None, device=None):
         super().__init__()
@@ -678,9 +204,10 @@ def _augment(u, adj, match_r, seen):
 
 
 def compile_routes(H, d, routes):
-    """Three-pass grid permutation (§3.7, derived from König's edge-colouring theorem): complete the
-    partial permutation, colour the H-regular bipartite multigraph (input column -> output column) with
-    H perfect matchings; colour k is the middle row. Returns float64 (W1 dim, W2 split, W3 dim)."""
+    """Three-pass grid permutation (the repo's construction; that three passes realise any re-ordering
+    follows from König's edge-colouring theorem): complete the partial permutation, colour the H-regular
+    bipartite multigraph (input column -> output column) with H perfect matchings; colour k is the middle
+    row. Returns float64 (W1 dim, W2 split, W3 dim)."""
     key = (H, d, tuple(routes))
     if key in _ROUTE_CACHE:
         return _ROUTE_CACHE[key]
@@ -722,9 +249,9 @@ def compile_routes(H, d, routes):
 
 
 class Gate(nn.Module):
-    """Position-dependent gated combination (§3.1 item 5): new = sum_i G_i * x_i over the inputs
-    (x_0 = the old state, then module outputs), G_i[row, ch] = tanh(scale * (rho(row) c_i[ch] + b_i[ch]))
-    with rho = one-hot . w_rho (1 on prefix rows, 0 on token rows). Gates are exactly 0 or 1."""
+    """Position-dependent gated combination (as in the authors' code): new = sum_i G_i * x_i over the
+    inputs (x_0 = the old state, then module outputs), G_i[row, ch] = tanh(scale * (rho(row) c_i[ch] +
+    b_i[ch])) with rho = one-hot . w_rho (1 on prefix rows, 0 on token rows). Gates are exactly 0 or 1."""
 
     def __init__(self, cfg, n_in, dtype=None, device=None):
         super().__init__()
@@ -755,8 +282,9 @@ class Gate(nn.Module):
 class TinTAttention(nn.Module):
     """TinT attention (paper Def. B.1): H heads of size d = D_s / H; q, k, v = H-split map of the row plus
     lambda_h * (one-hot . W^p) (W^p shared by the heads, gated per head); scores linear (q . k, times the
-    0/1 mask) or softmax (masked). `transpose` mixes the values with A^T (the code's T1 op, §3.10), with
-    a second 0/1 mask applied to A^T. Output: concatenated heads through an H-split map."""
+    0/1 mask) or softmax (masked). `transpose` mixes the values with A^T, with a second 0/1 mask applied to
+    A^T: the dv backward in one module, as the authors' code does it (App. D uses two). Output: concatenated
+    heads through an H-split map."""
 
     def __init__(self, cfg, H, kind, stages, transpose=False, dtype=None, device=None):
         super().__init__()
@@ -767,7 +295,8 @@ class TinTAttention(nn.Module):
         self.pos_q, self.pos_k, self.pos_v = z(cfg.P, self.d), z(cfg.P, self.d), z(cfg.P, self.d)
         self.lam = z(3, H)
         self.score_scale = 1.0                 # a constant of the softmax (1/sqrt(d_a) for the aux heads)
-        self.rope_cos = self.rope_sin = None   # RoPE inside the softmax heads (§5.4 item 3), (P, d_rot / 2)
+        # RoPE inside the softmax heads, (P, d_rot / 2) tables (the repo's extension; App. I.2 says "likewise")
+        self.rope_cos = self.rope_sin = None
 
     def forward(self, e, ctx, mask, mask_t=None):
         B, N, _ = e.shape
@@ -807,73 +336,19 @@ def _blocks_vec(cfg, blocks, dtype):
     return v
 
 
-class RouteLayer(nn.Module):
-    """Row-wise linear layer ("dim" H-split map on the H_L x K grid) writing whole blocks of the token
-    rows: spec {out_block: [(in_block, coef), ...]} (an empty list writes zeros). Other channels and
-    the prefix rows are kept. Used for memory taps, moves, accumulations and the finite-difference maps."""
-
-    def __init__(self, cfg, spec, dtype=None, device=None):
-        super().__init__()
-        self.map = HSplitLinear(cfg.H_L, cfg.K, ("dim",), dtype, device)
-        self.gate = Gate(cfg, 2, dtype, device)
-        S = cfg.S
-        A = torch.zeros(cfg.H_L, cfg.H_L, dtype=torch.float64)
-        for ob, terms in spec.items():
-            for ib, coef in terms:
-                for s in range(S):
-                    A[ob * S + s, ib * S + s] += coef
-        self.map.set_row_mixing(A)
-        out = _blocks_vec(cfg, spec, torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
-
-    def forward(self, e, ctx):
-        return self.gate(ctx, [e, self.map(e)])
-
-
-class NormLayer(nn.Module):
-    """Group normalisation (§3.1 item 3): each listed D-block of the token rows normalised on its own
-    (LayerNorm's normaliser, or RMSNorm's for LLaMA-style models, §5.4 item 1)."""
-
-    def __init__(self, cfg, blocks, dtype=None, device=None):
-        super().__init__()
-        self.blocks, self.D, self.eps, self.kind = tuple(blocks), cfg.n_embd, cfg.norm_eps, cfg.norm
-        self.gate = Gate(cfg, 2, dtype, device)
-        out = _blocks_vec(cfg, blocks, torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
-
-    def forward(self, e, ctx):
-        y = e.clone()
-        for b in self.blocks:
-            sl = slice(b * self.D, (b + 1) * self.D)
-            y[..., sl] = _normalize(e[..., sl], self.kind, self.eps)
-        return self.gate(ctx, [e, y])
-
-
-class ActLayer(nn.Module):
-    """Row-wise MLP whose nonlinearity is the auxiliary activation (§3.9): out = M_out sigma(M_in e),
-    maps optional (identity when absent); writes block B0 of the token rows."""
-
-    def __init__(self, cfg, in_spec=None, out_spec=None, dtype=None, device=None):
-        super().__init__()
-        self.in_map = self.out_map = None
-        for name, spec in (("in_map", in_spec), ("out_map", out_spec)):
-            if spec is not None:
-                setattr(self, name, _row_mixing_map(cfg, spec, dtype, device))
-        self.gate = Gate(cfg, 2, dtype, device)
-        out = _blocks_vec(cfg, [0], torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
-
-    def forward(self, e, ctx):
-        h = e if self.in_map is None else self.in_map(e)
-        y = _act(h)
-        y = y if self.out_map is None else self.out_map(y)
-        return self.gate(ctx, [e, y])
+def _token_write_gate(cfg, blocks, n_in=2, dtype=None, device=None):
+    """The gate of a layer that writes the D-blocks `blocks` of the token rows from its output (input 1)
+    and keeps the other channels and the prefix rows from its input (input 0)."""
+    gate = Gate(cfg, n_in, dtype, device)
+    out = _blocks_vec(cfg, blocks, torch.float64)
+    gate.set(0, 1 - out, 1)
+    gate.set(1, out, 0)
+    return gate
 
 
 def _row_mixing_map(cfg, spec, dtype, device):
+    """A "dim" H-split map on the H_L x K grid that mixes whole D-blocks, shard by shard:
+    spec {out_block: [(in_block, coef), ...]} (an empty list gives a zero block)."""
     m = HSplitLinear(cfg.H_L, cfg.K, ("dim",), dtype, device)
     A = torch.zeros(cfg.H_L, cfg.H_L, dtype=torch.float64)
     for ob, terms in spec.items():
@@ -884,8 +359,58 @@ def _row_mixing_map(cfg, spec, dtype, device):
     return m
 
 
+class RouteLayer(nn.Module):
+    """Row-wise linear layer ("dim" H-split map on the H_L x K grid) writing whole blocks of the token
+    rows: spec {out_block: [(in_block, coef), ...]} (an empty list writes zeros). Other channels and
+    the prefix rows are kept. Used for memory taps, moves, accumulations and the finite-difference maps."""
+
+    def __init__(self, cfg, spec, dtype=None, device=None):
+        super().__init__()
+        self.map = _row_mixing_map(cfg, spec, dtype, device)
+        self.gate = _token_write_gate(cfg, spec, dtype=dtype, device=device)
+
+    def forward(self, e, ctx):
+        return self.gate(ctx, [e, self.map(e)])
+
+
+class NormLayer(nn.Module):
+    """Group normalisation (App. E, Def. E.3): each listed D-block of the token rows normalised on its own
+    (LayerNorm's normaliser, or RMSNorm's for LLaMA-style models, App. I.1, Def. I.2)."""
+
+    def __init__(self, cfg, blocks, dtype=None, device=None):
+        super().__init__()
+        self.blocks, self.D, self.eps, self.kind = tuple(blocks), cfg.n_embd, cfg.norm_eps, cfg.norm
+        self.gate = _token_write_gate(cfg, blocks, dtype=dtype, device=device)
+
+    def forward(self, e, ctx):
+        y = e.clone()
+        for b in self.blocks:
+            sl = slice(b * self.D, (b + 1) * self.D)
+            y[..., sl] = normalize(e[..., sl], self.kind, self.eps)
+        return self.gate(ctx, [e, y])
+
+
+class ActLayer(nn.Module):
+    """Row-wise MLP whose nonlinearity is the auxiliary activation (App. F): out = M_out sigma(M_in e),
+    maps optional (identity when absent); writes block B0 of the token rows."""
+
+    def __init__(self, cfg, in_spec=None, out_spec=None, dtype=None, device=None):
+        super().__init__()
+        self.in_map = self.out_map = None
+        for name, spec in (("in_map", in_spec), ("out_map", out_spec)):
+            if spec is not None:
+                setattr(self, name, _row_mixing_map(cfg, spec, dtype, device))
+        self.gate = _token_write_gate(cfg, [0], dtype=dtype, device=device)
+
+    def forward(self, e, ctx):
+        h = e if self.in_map is None else self.in_map(e)
+        y = gelu(h)
+        y = y if self.out_map is None else self.out_map(y)
+        return self.gate(ctx, [e, y])
+
+
 class GLULayer(nn.Module):
-    """GLU primitive (§5.4 item 2, our extension): out = M_out (silu(M_a e) * M_b e), M_* "dim" H-split maps
+    """GLU primitive (the repo's realisation of App. I.3): out = M_out (silu(M_a e) * M_b e), M_* "dim" H-split maps
     (M_out optional); writes the blocks `out_blocks` of the token rows."""
 
     def __init__(self, cfg, a_spec, b_spec, out_spec=None, out_blocks=(0,), dtype=None, device=None):
@@ -893,10 +418,7 @@ class GLULayer(nn.Module):
         self.a_map = _row_mixing_map(cfg, a_spec, dtype, device)
         self.b_map = _row_mixing_map(cfg, b_spec, dtype, device)
         self.out_map = None if out_spec is None else _row_mixing_map(cfg, out_spec, dtype, device)
-        self.gate = Gate(cfg, 2, dtype, device)
-        out = _blocks_vec(cfg, out_blocks, torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
+        self.gate = _token_write_gate(cfg, out_blocks, dtype=dtype, device=device)
 
     def forward(self, e, ctx):
         y = F.silu(self.a_map(e)) * self.b_map(e)
@@ -911,10 +433,16 @@ def _lin_heads(cfg):
     return weight, bias
 
 
+def _set_row_mixings(att, *mats):
+    """The q, k, v and output maps of a linear-attention layer as row mixings of the H_L heads."""
+    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), mats):
+        m.set_row_mixing(A)
+
+
 def _set_linear_forward(att, cfg):
-    """Linear Forward (§3.4): token t, weight head (s, r): query x_t^(r) (shard r of B0), key shard sS+r
-    of prefix row j, value e_j -> sum_j <x^(r), w^(r)_{sK+j}> e_j; bias head s: query e_0, key e_j,
-    value the bias shard s -> b^(s). Output: B0 shard s = sum_r head (s, r) + bias head s."""
+    """Linear Forward (§2.3, App. C, Fig. 2): token t, weight head (s, r): query x_t^(r) (shard r of B0),
+    key shard sS+r of prefix row j, value e_j -> sum_j <x^(r), w^(r)_{sK+j}> e_j; bias head s: query e_0,
+    key e_j, value the bias shard s -> b^(s). Output: B0 shard s = sum_r head (s, r) + bias head s."""
     Tm = cfg.block_size
     weight, bias = _lin_heads(cfg)
     H = cfg.H_L
@@ -934,13 +462,12 @@ def _set_linear_forward(att, cfg):
         for j in range(cfg.K):
             att.pos_k[Tm + j, j] = 1                   # prefix row j -> e_j
             att.pos_v[Tm + j, j] = 1
-    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), (Aq, Ak, Av, Ao)):
-        m.set_row_mixing(A)
+    _set_row_mixings(att, Aq, Ak, Av, Ao)
 
 
 def _set_linear_backward(att, cfg):
-    """Linear Backward (§3.5): head (s, r): query pi_s(dy) (shard s of B0), key e_j, value w^(r)_{sK+j}
-    (prefix shard sS+r); output B0 shard r = sum_s head (s, r) = (W^T dy)^(r)."""
+    """Linear Backward (App. C, Def. C.2, Fig. 4): head (s, r): query pi_s(dy) (shard s of B0), key e_j,
+    value w^(r)_{sK+j} (prefix shard sS+r); output B0 shard r = sum_s head (s, r) = (W^T dy)^(r)."""
     Tm = cfg.block_size
     weight, _ = _lin_heads(cfg)
     H = cfg.H_L
@@ -953,15 +480,15 @@ def _set_linear_backward(att, cfg):
             Ao[r, h] = 1
         for j in range(cfg.K):
             att.pos_k[Tm + j, j] = 1
-    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), (Aq, Ak, Av, Ao)):
-        m.set_row_mixing(A)
+    _set_row_mixings(att, Aq, Ak, Av, Ao)
 
 
 def _set_linear_descent(att, cfg, lr_weight, lr_bias):
-    """Linear Descent (§3.6): prefix row j is the query (e_j); weight head (s, r): key pi_s(dy_t), value
-    -lr x_t^(r) (x in BS) -> adds -lr sum_t dy_t[sK+j] x_t^(r) to slot s shard r; bias head s: key e_0,
-    value -lr dy_t^(s) -> adds -lr sum_t dy_t^(s) to the bias shard of row 0 only. lr is folded into the
-    value maps (a construction constant); lr_weight = 0 gives the bias-only descent of the norms."""
+    """Linear Descent (App. C, Def. C.3, Fig. 5): prefix row j is the query (e_j); weight head (s, r): key
+    pi_s(dy_t), value -lr x_t^(r) (x in BS) -> adds -lr sum_t dy_t[sK+j] x_t^(r) to slot s shard r; bias
+    head s: key e_0, value -lr dy_t^(s) -> adds -lr sum_t dy_t^(s) to the bias shard of row 0 only. lr is
+    folded into the value maps (a construction constant); lr_weight = 0 gives the bias-only descent of the
+    norms."""
     S, Tm = cfg.S, cfg.block_size
     weight, bias = _lin_heads(cfg)
     H = cfg.H_L
@@ -979,8 +506,7 @@ def _set_linear_descent(att, cfg, lr_weight, lr_bias):
             att.lam[1, h] = 1
             Av[h, s] = -lr_bias
             Ao[h, h] = 1
-    for m, A in zip((att.q_map, att.k_map, att.v_map, att.o_map), (Aq, Ak, Av, Ao)):
-        m.set_row_mixing(A)
+    _set_row_mixings(att, Aq, Ak, Av, Ao)
 
 
 class LinearLayer(nn.Module):
@@ -990,17 +516,15 @@ class LinearLayer(nn.Module):
         super().__init__()
         self.att = TinTAttention(cfg, cfg.H_L, "linear", ("dim",), dtype=dtype, device=device)
         _set_linear_forward(self.att, cfg)
-        self.gate = Gate(cfg, 2, dtype, device)
-        out = _blocks_vec(cfg, [0], torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
+        self.gate = _token_write_gate(cfg, [0], dtype=dtype, device=device)
 
     def forward(self, e, ctx):
         return self.gate(ctx, [e, self.att(e, ctx, ctx.masks["tok2pre"])])
 
 
 class BackwardDescentLayer(nn.Module):
-    """[Linear Backward || Linear Descent] on the same input (§3.6, the code's Linear_Descent_Backward):
+    """[Linear Backward || Linear Descent] on the same input (App. C; one layer, as the
+    authors' code's Linear_Descent_Backward):
     token rows get W^T dy in B0, prefix rows get W - lr sum dy x^T (and b - lr sum dy). Both read the
     pre-update W. descent=False: backward only (norms without a bias)."""
 
@@ -1012,12 +536,9 @@ class BackwardDescentLayer(nn.Module):
         if descent:
             self.desc = TinTAttention(cfg, cfg.H_L, "linear", ("dim",), dtype=dtype, device=device)
             _set_linear_descent(self.desc, cfg, lr_weight, lr_bias)
-        self.gate = Gate(cfg, 3 if descent else 2, dtype, device)
-        out = _blocks_vec(cfg, [0], torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
+        self.gate = _token_write_gate(cfg, [0], 3 if descent else 2, dtype, device)
         if descent:
-            self.gate.set(2, 0, 1)
+            self.gate.set(2, 0, 1)              # input 2 (the descent) is added to the prefix rows
 
     def forward(self, e, ctx):
         xs = [e, self.bwd(e, ctx, ctx.masks["tok2pre"])]
@@ -1027,7 +548,7 @@ class BackwardDescentLayer(nn.Module):
 
 
 class SoftmaxLayer(nn.Module):
-    """The auxiliary softmax attention (§3.10) with H_soft heads: head h takes q^h (from block q_block),
+    """The auxiliary softmax attention (§2.5, App. D) with H_soft heads: head h takes q^h (from block q_block),
     k^h (k_block) and v^h (B0) into its first d_a coordinates (three-pass H-split maps), scores scaled by
     1/sqrt(d_a) (after RoPE for LLaMA-style models); causal among tokens, prefix columns masked.
     transpose=True: the dv backward, A^T mixing the values (row t uses column j iff j == t or j > t
@@ -1058,10 +579,7 @@ class SoftmaxLayer(nn.Module):
         self.att.v_map.set_routes(routes(0, 1.0))
         self.att.o_map.set_routes(tuple(((h, i), cell(h * da + i), 1.0) for h in range(cfg.n_head)
                                         for i in range(da)))
-        self.gate = Gate(cfg, 2, dtype, device)
-        out = _blocks_vec(cfg, [0], torch.float64)
-        self.gate.set(0, 1 - out, 1)
-        self.gate.set(1, out, 0)
+        self.gate = _token_write_gate(cfg, [0], dtype=dtype, device=device)
 
     def forward(self, e, ctx):
         y = self.att(e, ctx, ctx.masks["causal"], ctx.masks["vgrad"] if self.att.transpose else None)
@@ -1069,8 +587,8 @@ class SoftmaxLayer(nn.Module):
 
 
 class ResidualGate(nn.Module):
-    """The block-level residual connection (§3.1: the only residuals): token rows B0 = input + chain
-    output, other channels and prefix rows from the chain."""
+    """The block-level residual connection (the simulator's only one, mirroring the auxiliary block's):
+    token rows B0 = input + chain output, other channels and prefix rows from the chain."""
 
     def __init__(self, cfg, dtype=None, device=None):
         super().__init__()
@@ -1089,10 +607,10 @@ class Seq(nn.ModuleList):
         return e
 
 
-# ---------------------------------------------------------------------------- modules (§3.4 - §3.11)
+# ---------------------------------------------------------------------------- modules (App. C-H)
 
 def _ln_forward(cfg, dt, dev):
-    """LayerNorm forward (§3.8): tap x -> BS and B_{S-1}; group-norm B0 and B_{S-1}; Linear Forward
+    """LayerNorm forward (App. E): tap x -> BS and B_{S-1}; group-norm B0 and B_{S-1}; Linear Forward
     (diag gamma, beta). Memory: (N(x), x) in (B_{S-1}, BS)."""
     S = cfg.S
     return Seq([RouteLayer(cfg, {S - 1: [(0, 1.0)], S: [(0, 1.0)]}, dt, dev), NormLayer(cfg, [0, S - 1], dt, dev),
@@ -1100,8 +618,8 @@ def _ln_forward(cfg, dt, dev):
 
 
 def _ln_backward(cfg, dt, dev):
-    """LayerNorm backward || bias descent (§3.8): gamma * dy (Linear Backward with diag gamma) || beta -=
-    lr sum dy; then x + eps gamma dy; group norm; (N(x + eps gamma dy) - N(x)) / eps."""
+    """LayerNorm backward || bias descent (§2.4, App. E, Def. E.2): gamma * dy (Linear Backward with
+    diag gamma) || beta -= lr sum dy; then x + eps gamma dy; group norm; (N(x + eps gamma dy) - N(x)) / eps."""
     S, eps = cfg.S, cfg.fd_eps
     has_beta = cfg.norm == "layernorm" and cfg.bias        # RMSNorm / bias-free LayerNorm: nothing to update
     return Seq([BackwardDescentLayer(cfg, 0.0, cfg.lr, descent=has_beta, dtype=dt, device=dev),
@@ -1114,7 +632,7 @@ def _tap(cfg, dt, dev):
 
 
 class ForwardLayer(nn.Module):
-    """The modules that simulate the forward of one auxiliary block (§3.13)."""
+    """The modules that simulate the forward of one auxiliary block (Fig. 1)."""
 
     def __init__(self, cfg, dt, dev):
         super().__init__()
@@ -1129,7 +647,7 @@ class ForwardLayer(nn.Module):
         self.res_attn = ResidualGate(cfg, dt, dev)
         self.ln2 = _ln_forward(cfg, dt, dev)
         self.ffn_init = RouteLayer(cfg, {1: [(0, 1.0)], 2: []}, dt, dev)        # r -> B1, accumulator B2 = 0
-        # one set of modules shared by the FFN chunks (§3.11)
+        # one set of modules shared by the FFN chunks (App. H)
         if cfg.mlp == "gelu":
             self.up = Seq([_tap(cfg, dt, dev), LinearLayer(cfg, dt, dev)])       # z = W_1 r + b_1 (memory r)
             self.act = Seq([_tap(cfg, dt, dev), ActLayer(cfg, dtype=dt, device=dev)])   # g = gelu(z) (memory z)
@@ -1146,22 +664,22 @@ class ForwardLayer(nn.Module):
 
 
 class BackwardLayer(nn.Module):
-    """The [Backward || Descent] modules of one simulated auxiliary block (§3.13)."""
+    """The [Backward || Descent] modules of one simulated auxiliary block (Fig. 1)."""
 
     def __init__(self, cfg, dt, dev):
         super().__init__()
         lr = cfg.lr
         S, eps = cfg.S, cfg.fd_eps
-        lr_b = lr if cfg.bias else 0.0                  # bias-free models: bias descent off (§5.4 item 4)
+        lr_b = lr if cfg.bias else 0.0                  # bias-free models: bias descent off
         self.down = BackwardDescentLayer(cfg, lr, lr_b * cfg.mlp_out_bias_lr_mult / cfg.n_chunks, True, dt, dev)
         if cfg.mlp == "gelu":
-            # dz = (gelu(z + eps dg) - gelu(z)) / eps: one MLP, z from memory (§3.9)
+            # dz = (gelu(z + eps dg) - gelu(z)) / eps: one MLP, z from memory (App. F)
             self.act = ActLayer(cfg, {0: [(S, 1.0), (0, eps)], 1: [(S, 1.0)]},
                                 {0: [(0, 1.0 / eps), (1, -1.0 / eps)]}, dt, dev)
             self.up = BackwardDescentLayer(cfg, lr, lr_b, True, dt, dev)
         else:
             # (a, b) from memory, dm in B0: d_gate = silu(a + eps dm) b/eps - silu(a) b/eps -> B0,
-            # d_up = silu(a) dm -> B_{S-1}: one GLU layer with three hidden blocks (§5.4 item 2)
+            # d_up = silu(a) dm -> B_{S-1}: one GLU layer with three hidden blocks (Def. I.7)
             self.glu = GLULayer(cfg, {0: [(S - 1, 1.0), (0, eps)], 1: [(S - 1, 1.0)], 2: [(S - 1, 1.0)]},
                                 {0: [(S, 1.0 / eps)], 1: [(S, -1.0 / eps)], 2: [(0, 1.0)]},
                                 {0: [(0, 1.0), (1, 1.0)], S - 1: [(2, 1.0)]}, out_blocks=(0, S - 1),
@@ -1215,7 +733,7 @@ class _Ctx:
 
 
 class TinT(nn.Module):
-    """The TinT simulator for a GPT-2-style auxiliary GPT (§5.3).
+    """The TinT simulator for an auxiliary GPT.
 
     Its parameters (`parameters()`) are the construction: they depend on the auxiliary *configuration*
     (sizes), on lr and fd_eps, never on the auxiliary weights, which are buffers (`load_aux`). One call
@@ -1236,7 +754,8 @@ class TinT(nn.Module):
         self.keys = prefix_keys(cfg)
         self.key_index = {k: i for i, k in enumerate(self.keys)}
         D = cfg.n_embd
-        # auxiliary weights as data (weights-as-data, I8): not parameters, not saved with the simulator
+        # auxiliary weights as data: not parameters, not saved with the simulator (one instance serves every
+        # auxiliary model of its configuration)
         self.register_buffer("prefix_bank", torch.zeros(len(self.keys), cfg.K, cfg.D_s, dtype=dt, device=dev),
                              persistent=False)
         self.register_buffer("wte", torch.zeros(cfg.vocab_size, D, dtype=dt, device=dev), persistent=False)
@@ -1294,7 +813,8 @@ class TinT(nn.Module):
                 sl = slice(ch * D, (ch + 1) * D)
                 for name, (wp, bp) in ins.items():
                     bank[(i, name, ch)] = encode_linear(wp[sl], None if bp is None else bp[sl], cfg)
-                # b_2 lives in chunk 0; every chunk's bias descends with lr / n_chunks: kappa = 1 (§7.4)
+                # b_2 lives in chunk 0; every chunk's bias descends with lr / n_chunks: kappa = 1 (the repo's
+                # choice; the authors' code stores b_2 / 4 in each of four chunks, so b_2 learns 4x: kappa = 4)
                 b2 = None if p["b_down"] is None else (p["b_down"] if ch == 0 else torch.zeros_like(p["b_down"]))
                 bank[(i, "down", ch)] = encode_linear(w_down[:, sl], b2, cfg)
         fp = final_params(aux_model)
@@ -1328,7 +848,7 @@ class TinT(nn.Module):
         return _Ctx(onehot, {"tok2pre": tok2pre, "pre2train": pre2train, "causal": causal[None, None],
                              "vgrad": vgrad})
 
-    # ------------------------------------------------------------------ declared ops (as the official code)
+    # ------------------------------------------------------------------ declared ops (authors' code, Remark G.3)
 
     def _embed(self, idx):
         x = self.wte[idx]
@@ -1337,10 +857,7 @@ class TinT(nn.Module):
         return x
 
     def _loss_grad(self, f, idx, c):
-        """delta f_t = c_t E^T (softmax(E f_t) - onehot(x_{t+1})) (§2.2, §3.12 declared op)."""
-        logits = f @ self.head.t()
-        target = torch.zeros_like(logits).scatter_(-1, idx.roll(-1, 1)[..., None], 1.0)
-        return c[..., None] * (torch.softmax(logits, -1) - target) @ self.head
+        return loss_grad(f, self.head, idx, c)
 
     # ------------------------------------------------------------------ the program
 
@@ -1530,146 +1047,3 @@ class TinT(nn.Module):
 
     def num_params(self):
         return sum(p.numel() for p in self.parameters())
-
-
-# ============================================================================ parameter accounting
-
-def tint_param_formula(cfg: SimConfig):
-    """Exact parameter count of our construction, per primitive (I10). Returns a dict with the parts
-    and "total"."""
-    D_s, H, K, P = cfg.D_s, cfg.H_L, cfg.K, cfg.P
-    Hs, ds = cfg.H_soft, cfg.D_s // cfg.H_soft
-    dim = K * H * H                                        # one "dim" H-split stage on the H_L x K grid
-    gate = lambda n: P + 2 * n * D_s
-    lin_attn = 4 * dim + 3 * P * K + 3 * H                 # 4 maps + 3 position maps + lambda gates
-    route = dim + gate(2)
-    linear = lin_attn + gate(2)
-    bwd_desc = 2 * lin_attn + gate(3)
-    bwd_only = lin_attn + gate(2)
-    norm = gate(2)
-    act_fwd = gate(2)
-    act_bwd = 2 * dim + gate(2)
-    softmax = (4 * (2 * ds * Hs * Hs + Hs * ds * ds) + 3 * P * ds + 3 * Hs + gate(2)
-               + (P * cfg.head_dim if cfg.pos == "rope" else 0))   # RoPE cos / sin tables
-    residual = gate(2)
-    glu_fwd = 2 * dim + gate(2)
-    glu_bwd = 3 * dim + gate(2)
-    ln_fwd = route + norm + linear
-    ln_bwd = (bwd_desc if cfg.bias and cfg.norm == "layernorm" else bwd_only) + 2 * route + norm
-    if cfg.mlp == "gelu":   # up (tap + linear), act (tap + MLP) | backward: up, act
-        ffn_fwd = (route + linear) + (route + act_fwd)
-        ffn_bwd = act_bwd + bwd_desc
-    else:                   # gate (tap + linear), route, up, glu (tap + GLU) | backward: glu, gate, route, up
-        ffn_fwd = (route + linear) + route + linear + (route + glu_fwd)
-        ffn_bwd = glu_bwd + bwd_desc + route + bwd_desc
-    fwd_layer = (2 * ln_fwd + route + linear + 2 * route + softmax + (route + linear) + residual
-                 + route + ffn_fwd + (route + linear) + 2 * route + residual)
-    bwd_layer = (bwd_desc + ffn_bwd + 3 * route + ln_bwd + residual
-                 + bwd_desc + softmax + bwd_desc + ln_bwd + residual)
-    forward = cfg.n_layer * fwd_layer + ln_fwd
-    backward = cfg.n_layers * bwd_layer + ln_bwd
-    return {"forward_per_layer": fwd_layer, "backward_descent_per_layer": bwd_layer, "forward": forward,
-            "backward_descent": backward, "total": forward + backward}
-
-
-def paper_param_formula(D_aux, n_layer, T_aux, H_sim=12, K=None, D_sim=None):
-    """The paper's Table 1 formula (§3.15): Q_split = D_s^2 / H + H D_s, Q = 4 Q_split + 3 T_sim D_s / H,
-    T_sim = T_aux + K, K = D / 4, D_s = 4 D. Biases ignored."""
-    K = D_aux // 4 if K is None else K
-    D_s = 4 * D_aux if D_sim is None else D_sim
-    T_sim = T_aux + K
-    Q_split = D_s * D_s / H_sim + H_sim * D_s
-    Q = 4 * Q_split + 3 * T_sim * D_s / H_sim
-    fwd = 7 * Q * n_layer + n_layer * Q_split
-    bwd = (7 * Q + 6 * D_s * H_sim) * n_layer
-    desc = 7 * Q * n_layer
-    return {"Q_split": Q_split, "Q": Q, "forward": fwd, "backward": bwd, "descent": desc,
-            "total": fwd + bwd + desc}
-
-
-# ============================================================================ benchmark
-
-def benchmark(n_embd=768, n_layer=12, n_head=12, seq_len=1024, frac=0.5, batch_size=1, reps=3, lr=1e-4,
-              dtype=torch.float32, device=None):
-    """Simulator vs auxiliary forward (and the reference update) for a GPT-2-shaped auxiliary model:
-    parameters, peak memory and time. Returns a dict (also printed as a table)."""
-    import time
-
-    from model.gpt import GPT, GPTConfig
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    cuda = device.type == "cuda"
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=50304, block_size=seq_len, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                    norm="layernorm", mlp="gelu", pos="learned", bias=True)
-    aux = GPT(cfg).to(device, dtype).eval()
-    idx = torch.randint(0, 50257, (batch_size, seq_len), device=device)
-    n_train = int(frac * seq_len)
-
-    def timed(fn):
-        times, out = [], None
-        for _ in range(reps + 1):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            out = fn()
-            if cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        return out, sorted(times[1:])[len(times[1:]) // 2]
-
-    def peak(fn):
-        if not cuda:
-            return fn(), float("nan")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        out = fn()
-        torch.cuda.synchronize()
-        return out, (torch.cuda.max_memory_allocated() - base) / 2 ** 30
-
-    res = {"device": torch.cuda.get_device_name(device) if cuda else "cpu", "dtype": str(dtype), "T": seq_len,
-           "n_train": n_train, "batch": batch_size, "aux_params": aux.num_params()}
-    with torch.no_grad():
-        aux_logits, res["aux_forward_s"] = timed(lambda: aux(idx)[0])
-        _, res["aux_forward_peak_GiB"] = peak(lambda: aux(idx)[0])
-        ref, res["tint_ref_s"] = timed(lambda: tint_reference(aux, idx, n_train, lr=lr))
-        _, res["tint_ref_peak_GiB"] = peak(lambda: tint_reference(aux, idx, n_train, lr=lr))
-        t0 = time.perf_counter()
-        mem0 = torch.cuda.memory_allocated() if cuda else 0
-        sim = TinT.from_model(aux, lr=lr)
-        res["sim_build_s"] = time.perf_counter() - t0
-        res["sim_weights_GiB"] = ((torch.cuda.memory_allocated() - mem0) / 2 ** 30) if cuda else float("nan")
-        res["sim_params"] = sim.num_params()
-        res["sim_params_formula"] = tint_param_formula(sim.cfg)["total"]
-        res["paper_formula_params"] = int(paper_param_formula(n_embd, n_layer, seq_len, H_sim=sim.cfg.H_L,
-                                                              K=sim.cfg.K, D_sim=sim.cfg.D_s)["total"])
-        out, res["sim_forward_s"] = timed(lambda: sim(idx, n_train))
-        _, res["sim_forward_peak_GiB"] = peak(lambda: sim(idx, n_train))
-        res["max_abs_logit_diff_sim_vs_ref"] = (out - ref).abs().max().item()
-        res["max_abs_logit_change_ref_vs_vanilla"] = (ref - aux_logits[:, n_train - 1:-1]).abs().max().item()
-    res["sim_over_aux_forward_time"] = res["sim_forward_s"] / res["aux_forward_s"]
-    res["ref_over_aux_forward_time"] = res["tint_ref_s"] / res["aux_forward_s"]
-    res["sim_over_ref_time"] = res["sim_forward_s"] / res["tint_ref_s"]
-    for k, v in res.items():
-        print(f"{k:<36} {v:.4g}" if isinstance(v, float) else f"{k:<36} {v}")
-    return res
-
-
-if __name__ == "__main__":
-    import argparse
-    import json
-    ap = argparse.ArgumentParser(description="TinT simulator benchmark (GPT-2-shaped auxiliary model)")
-    ap.add_argument("--n-embd", type=int, default=768)
-    ap.add_argument("--n-layer", type=int, default=12)
-    ap.add_argument("--n-head", type=int, default=12)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--batch-size", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dtype", choices=["fp32", "fp64"], default="fp32")
-    ap.add_argument("--json", default=None, help="write the results here")
-    a = ap.parse_args()
-    r = benchmark(a.n_embd, a.n_layer, a.n_head, a.seq_len, batch_size=a.batch_size, reps=a.reps,
-                  dtype=torch.float64 if a.dtype == "fp64" else torch.float32)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(r, f, indent=2)
