@@ -29,6 +29,7 @@ Policy:
   (on this host) is taken over with a warning; one held from another host is only reported.
 """
 import contextlib
+import errno
 import json
 import os
 import re
@@ -216,7 +217,7 @@ def disk_full(path, needed_bytes, free, reason):
     need = f"needs about {needed_bytes / 1e6:,.1f} MB, " if needed_bytes else ""
     error = DiskFullError(f"could not write {path}: {reason} ({need}{free / 1e6:,.1f} MB free in "
                           f"{os.path.dirname(os.path.abspath(path))}); free space there or write elsewhere")
-    error.errno = 28
+    error.errno = errno.ENOSPC
     return error
 
 

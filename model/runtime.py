@@ -7,6 +7,7 @@ line, no traceback); 1 a disk that is full (one line) or a bug (traceback); 130 
 143 SIGTERM. `HYDRA_FULL_ERROR=1` shows the traceback of every error.
 """
 import contextlib
+import errno
 import functools
 import os
 import re
@@ -22,10 +23,10 @@ from omegaconf.errors import MissingMandatoryValue
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
-# What bad input raises (GPTConfig, the data loader, the option checks below, missing files, a
-# config value left `???`): printed as one line, exit 2.
-USER_ERRORS = (ValueError, FileNotFoundError, MissingMandatoryValue)
-DISK_FULL_ERRNOS = {28, 122, 27}      # ENOSPC, EDQUOT, EFBIG
+# What bad input raises (GPTConfig, the data loader, the option checks below, missing or unwritable
+# files, a config value left `???`): printed as one line, exit 2.
+USER_ERRORS = (ValueError, FileNotFoundError, PermissionError, MissingMandatoryValue)
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}   # EFBIG: past a file-size limit
 
 
 # ----------------------------------------------------------------------------- device, dtype
