@@ -257,6 +257,7 @@ def assert_one_line_error(proc, *words):
     assert all(w in lines[0] for w in words), (words, lines[0])
 
 
+@pytest.mark.slow
 def test_train_bad_value_exits_2_and_leaves_no_run_directory(tmp_path):
     out = tmp_path / "new_run"
     assert_one_line_error(run("train.py", [f"train.out_dir={out}", "train.max_steps=abc"]), "train.max_steps=abc")
