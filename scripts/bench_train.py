@@ -20,7 +20,6 @@ alike. Rows give the median tokens/s over the rounds and their range, and each m
 the first model, round by round (median and range). Peak memory then includes the other resident models.
 """
 import argparse
-import os
 import statistics
 import sys
 import time

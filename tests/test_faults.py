@@ -19,7 +19,7 @@ import torch
 from test_train import ROOT, TINY, run, train_losses
 
 from model.checkpoint import (CHECKPOINT_FORMAT, RunDirectoryLocked, RunLock, checkpoint_files, is_readable,
-                              load_checkpoint, load_model, locked_run_dir, rotate, save_checkpoint)
+                              load_checkpoint, load_model, locked_run_dir, save_checkpoint)
 
 STEPS = 12
 ARGS = TINY + ["train.global_batch_tokens=128", f"train.max_steps={STEPS}", "train.keep_last=3"]
@@ -125,7 +125,7 @@ def test_signal_saves_at_the_step_boundary_and_resume_matches(tmp_path, referenc
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == code, err[-2000:]
     [saved] = checkpoint_files(tmp_path)
-    assert f"interrupted at step" in out and f"saved {saved}" in out
+    assert "interrupted at step" in out and f"saved {saved}" in out
     assert_intact(tmp_path)
     run("train.py", train_args(tmp_path, "train.ckpt_interval=100"))
     assert_intact(tmp_path)
