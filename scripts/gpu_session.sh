@@ -20,12 +20,12 @@ case "${1:-tests}" in
              tests/test_forgetting_kernels.py tests/test_tree.py tests/test_sharded_decode.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
   train)   shift; python scripts/bench_train.py "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
-  kernels) python scripts/bench_forgetting.py --L 2048 16384 2>&1 | tee "$OUT/bench_forgetting.log" | tail -12
-           python scripts/bench_castle.py --L 2048 --D 128 --B 8 --H 16 --dtype bf16 --sweep --jobs 16 2>&1 \
+  kernels) python -m scripts.bench_forgetting --L 2048 16384 2>&1 | tee "$OUT/bench_forgetting.log" | tail -12
+           python -m scripts.bench_castle --L 2048 --D 128 --B 8 --H 16 --dtype bf16 --sweep --jobs 16 2>&1 \
              | tee "$OUT/castle_sweep_d128.log" | tail -22
-           python scripts/bench_castle.py --decode 2>&1 | tee "$OUT/bench_castle_decode.log" | tail -10 ;;
+           python -m scripts.bench_castle --decode 2>&1 | tee "$OUT/bench_castle_decode.log" | tail -10 ;;
   multi)   N=$(nvidia-smi -L | wc -l)
-           torchrun --standalone --nproc_per_node=$N scripts/bench_tree.py --ctx 131072,1048576,4194304 2>&1 \
+           torchrun --standalone --nproc_per_node=$N -m scripts.bench_tree --ctx 131072,1048576,4194304 2>&1 \
              | tee "$OUT/tree.log" | tail -8
            torchrun --standalone --nproc_per_node=$N scripts/bench_sharded_decode.py --attention baseline,fox,castle \
              --ctx 1048576 --check 256 --graphs 2>&1 | tee "$OUT/sharded.log" | tail -10
