@@ -264,7 +264,8 @@ class HeadRMSNorm(nn.Module):
 
 
 def token_shift(x, alpha, prev):
-    """KV-shift (FoX, arXiv:2503.02130 App. A, eqs (17), (19)): alpha_t * x_{t-1} + (1 - alpha_t) * x_t, in alpha's dtype (>= fp32).
+    """KV-shift (FoX, arXiv:2503.02130 App. A, eqs (17), (19)): alpha_t * x_{t-1} + (1 - alpha_t) * x_t,
+    in alpha's dtype (>= fp32).
 
     x (B, H, T, D); alpha (B, H, T, 1); prev (B, H, 1, D) is x_0 (zeros at the sequence start).
     """
@@ -298,8 +299,8 @@ class SoftmaxCache(KVCache):
 class SoftmaxAttention(nn.Module):
     """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block.
 
-    Order inside the layer (FoX, arXiv:2503.02130 App. A, eqs (15)-(23)): projections -> KV-shift -> QK-norm -> RoPE ->
-    forget gate -> attention -> per-head output norm * output gate -> output projection.
+    Order inside the layer (FoX, arXiv:2503.02130 App. A, eqs (15)-(23)): projections -> KV-shift ->
+    QK-norm -> RoPE -> forget gate -> attention -> per-head output norm * output gate -> output projection.
     """
 
     def __init__(self, config, forget_gate):

@@ -272,9 +272,10 @@ TRITON_CASES = [
 
 
 def test_triton_cases_take_both_sigma_scalings():
-    """Sigma's operand carries s / 2 only where that is exact (_half_scaled in kernels/castle/triton.py); the cases below must run
-    both ways."""
-    assert {castle_triton.sigma_prescaled(D ** -0.5 if s is None else s) for _, D, *_, s in TRITON_CASES} == {True, False}
+    """Sigma's operand carries s / 2 only where that is exact (_half_scaled in kernels/castle/triton.py); the
+    cases below must run both ways."""
+    scales = {castle_triton.sigma_prescaled(D ** -0.5 if s is None else s) for _, D, *_, s in TRITON_CASES}
+    assert scales == {True, False}
     assert castle_triton.sigma_prescaled(64 ** -0.5) and not castle_triton.sigma_prescaled(128 ** -0.5)
 
 
@@ -282,8 +283,9 @@ def test_triton_cases_take_both_tile_bounds():
     """Tiles load and add unmasked only where every one lies inside the head (castle_triton.in_bounds); the cases
     below must run both ways, in the forward and in the backward."""
     for m in ("m_fwd", "m_bwd"):
-        assert {castle_triton.in_bounds(L, getattr(cfg, m), D, padded_head_dim(D)) for L, D, _, cfg, *_ in TRITON_CASES} \
-            == {True, False}
+        bounds = {castle_triton.in_bounds(L, getattr(cfg, m), D, padded_head_dim(D))
+                  for L, D, _, cfg, *_ in TRITON_CASES}
+        assert bounds == {True, False}
     assert castle_triton.in_bounds(2048, 64, 64, 64) and not castle_triton.in_bounds(2000, 64, 64, 64)
     assert not castle_triton.in_bounds(2048, 64, 96, 128)
 

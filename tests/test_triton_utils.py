@@ -73,7 +73,8 @@ forgetting_attn(*xs[:3], F.logsigmoid(torch.randn(1, 2, 9)))
 tree_decode(xs[0], xs[1], xs[2])
 model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16, attention="castle"))
 model.generate(torch.zeros(1, 3, dtype=torch.long), 4)
-for call in (lambda: castle_attn(*xs, impl="triton"), lambda: castle_decode(cache, *[x[..., 8:, :] for x in xs], impl="triton"),
+one = [x[..., 8:, :] for x in xs]
+for call in (lambda: castle_attn(*xs, impl="triton"), lambda: castle_decode(cache, *one, impl="triton"),
              lambda: forgetting_attn(*xs[:3], torch.zeros(1, 2, 9), impl="triton")):
     try:
         call()

@@ -82,9 +82,9 @@ def _last_sigma_diagonal(n, bs, window):
 def blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
     """Blocked inputs (B, H, N, bs, D) in compute dtype -> out, lse (B, H, N, bs), u.
 
-    u[:, :, b] holds the lookahead keys of block b at the start of the row block being processed
-    (the paper's D^{(k)}, eqs (21)-(24), transposed). On return it holds them at the start of the last row block, or, with
-    keep_last, after every contributor (= U^L, what prefill caches)."""
+    u[:, :, b] holds the lookahead keys of block b at the start of the row block being processed (the
+    paper's D^{(k)}, eqs (21)-(24), transposed). On return it holds them at the start of the last row
+    block, or, with keep_last, after every contributor (= U^L, what prefill caches)."""
     n = qc.shape[2]
     tril = torch.ones(bs, bs, dtype=torch.bool, device=qc.device).tril()
     r = (scale * qc @ vu.mT).masked_fill(~tril, 0.0)                     # R_a of every row block
