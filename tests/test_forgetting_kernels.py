@@ -1,6 +1,6 @@
-"""kernels/forgetting.py: Forgetting Attention reference, Triton kernels, decode helpers.
+"""kernels/forgetting/: Forgetting Attention reference, Triton kernels, decode helpers.
 
-Invariant numbers (I1...) refer to shared/spec/fox.md §7. On CPU the Triton kernels run in the
+Invariants (I1...): properties of FoX (arXiv:2503.02130) the op must keep. On CPU the Triton kernels run in the
 interpreter on tiny shapes (tile 16, so L = 17, 45 cover several tiles and padded tails); the
 gpu-marked tests run the compiled kernels at real shapes.
 """
@@ -11,15 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import forgetting as fox
-from kernels.forgetting import _MAX_BLOCK, _gate_grad, _split_c, fgate_cumsum, forgetting_attn, forgetting_decode
+import kernels.forgetting.triton as fox_triton
+from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.forgetting.triton import MAX_BLOCK, gate_grad, split_c
+from kernels.triton_utils import interpreting
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
-# gate logit ranges (fox.md I2): log f = logsigmoid(logit)
+# gate logit ranges (I2): log f = logsigmoid(logit)
 DECAY = {"strong": (-5.0, 0.0), "weak": (5.0, 10.0), "mixed": (-5.0, 10.0)}
 
 
@@ -85,7 +87,7 @@ def test_gate_one_is_causal_attention(impl):
     zero = torch.zeros(2, 2, 33, device=DEV)
     o, grads, do = run(q, k, v, zero, impl=impl)
     # fp64 SDPA with the gate bias c_i - c_j (c = cumsum log f, -inf above the diagonal): causal
-    # attention here, and autograd through c gives d log f without forgetting.py
+    # attention here, and autograd through c gives d log f without kernels/forgetting
     q, k, v, log_fgate = (x.double().requires_grad_() for x in (q, k, v, zero))
     c = log_fgate.cumsum(-1)
     future = torch.ones(33, 33, dtype=torch.bool, device=DEV).triu(1)
@@ -102,11 +104,11 @@ def test_gate_cumsum_kernel(L):
     of the scan's chunks and ends in a partial block."""
     log_fgate = F.logsigmoid(3 * torch.randn(2, 3, L, device=DEV))
     log_fgate[..., 0] = -3e5  # a large |c|: the offsets must still be exact
-    Lp = -(-L // _MAX_BLOCK) * _MAX_BLOCK
-    offsets, blocks = _split_c(log_fgate, Lp)
+    Lp = -(-L // MAX_BLOCK) * MAX_BLOCK
+    offsets, blocks = split_c(log_fgate, Lp)
     c = F.pad(fgate_cumsum(log_fgate), (0, Lp - L), mode="replicate") * math.log2(math.e)
-    expected_blocks = c[..., ::_MAX_BLOCK]
-    expected_offsets = c - expected_blocks.repeat_interleave(_MAX_BLOCK, -1)
+    expected_blocks = c[..., ::MAX_BLOCK]
+    expected_offsets = c - expected_blocks.repeat_interleave(MAX_BLOCK, -1)
     assert torch.allclose(blocks, expected_blocks, rtol=1e-14, atol=0)
     assert torch.allclose(offsets.double(), expected_offsets, rtol=1e-6, atol=1e-5)
 
@@ -116,11 +118,11 @@ def test_gate_cumsum_kernel(L):
 def test_gate_grad_kernel_is_the_cumsum_adjoint(L, dtype):
     """I8: d log f_t = sum_{s >= t} dc_s (dc = dcq + dck from the kernels' row and column sums) is
     the adjoint of c = cumsum(log f); padded positions after L are ignored."""
-    Lp = -(-L // _MAX_BLOCK) * _MAX_BLOCK
+    Lp = -(-L // MAX_BLOCK) * MAX_BLOCK
     dcq, dck = (torch.randn(2, 3, Lp, device=DEV) for _ in range(2))
     x = torch.randn(2, 3, L, dtype=torch.float64, device=DEV, requires_grad=True)
     (expected,) = torch.autograd.grad(x.cumsum(-1), x, (dcq + dck)[..., :L].double())
-    got = _gate_grad(dcq, dck, L, dtype)
+    got = gate_grad(dcq, dck, L, dtype)
     assert got.dtype == dtype and got.shape == (2, 3, L)
     assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5)
 
@@ -141,13 +143,13 @@ def test_triton_matches_reference(L, D, decay, dtype, tol):
     check(o, grads, o_ref, grads_ref, tol)
 
 
-@pytest.mark.skipif(not fox._INTERPRET, reason="on a GPU the autotuned tiles run (test_gpu_*)")
+@pytest.mark.skipif(not interpreting(), reason="on a GPU the autotuned tiles run (test_gpu_*)")
 def test_triton_dq_subtile_differs(monkeypatch):
     """The backward's dQ loop with key sub-tiles twice the dK/dV loop's query sub-tiles (as the GPU's
     autotuned 32 / 64): 32-token tiles under the interpreter, so L = 70 crosses several of each."""
-    monkeypatch.setattr(fox, "_MAX_BLOCK", 32)
-    monkeypatch.setattr(fox, "_C_BLOCK", 32)
-    monkeypatch.setitem(fox._BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=32, BLOCK_LARGE=32))
+    monkeypatch.setattr(fox_triton, "MAX_BLOCK", 32)
+    monkeypatch.setattr(fox_triton, "C_BLOCK", 32)
+    monkeypatch.setitem(fox_triton.BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=32, BLOCK_LARGE=32))
     q, k, v, log_fgate = make_inputs(1, 2, 70, 32, decay="weak")
     o, grads, do = run(q, k, v, log_fgate, impl="triton")
     o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
