@@ -19,11 +19,12 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 from data.tokenizer import get_tokenizer
 from model.gpt import GPT, GPTConfig, mlp_hidden_size
 from model.hf.convert import atomic_dir, checkpoint_dict, read_checkpoint
-from scripts import export_hf, import_hf
+from evaluation.lm_eval_adapter import data_root
+from scripts import compare_lm_eval_hf, export_hf, import_hf
 
 REPO = Path(__file__).resolve().parents[1]
 EOT, N_TOKENS, VOCAB = 50256, 50257, 50304
-TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.head_dim=16", "train.seq_len=24"]
+TINY = ["model.n_layer=2", "model.n_embd=64", "model.n_head=4", "model.head_dim=16"]
 # every configs/model group, plus options the groups leave at one value: name -> (group, overrides)
 VARIANTS = {
     "llama": ("llama", []), "transformer_llama": ("transformer_llama", []), "gpt2": ("gpt2", []),
@@ -43,11 +44,11 @@ def train_config(overrides):
         return OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
 
 
-def random_model(variant):
+def random_model(variant, seq_len=24):
     """A model of `variant` with weights large enough for varied greedy output, whose padding rows
     (ids >= 50257) would win every argmax if generation let them."""
     group, overrides = VARIANTS[variant]
-    cfg = train_config([f"model={group}", *TINY, *overrides])
+    cfg = train_config([f"model={group}", *TINY, f"train.seq_len={seq_len}", *overrides])
     model = GPT(GPTConfig.from_dict({**cfg["model"], "tokenizer_vocab_size": N_TOKENS}))
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -251,6 +252,21 @@ def test_imported_run_works_with_sample_and_eval(tmp_path):
     r = run("-m", "scripts.import_hf", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "no config.json" in r.stderr
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not data_root().is_dir(), reason="needs the local benchmark copies (../shared/data/eval)")
+@pytest.mark.parametrize("variant", ["llama", "fox_pro"])
+def test_our_lm_eval_adapter_agrees_with_lm_eval_hf_backend(variant, tmp_path, capsys):
+    """scripts/compare_lm_eval_hf.py in fp32 on CPU: every request's log-likelihood and every accuracy."""
+    model, cfg = random_model(variant, seq_len=256)
+    run = save_run(model, cfg, tmp_path / "run")
+    export_hf.main(["--ckpt", str(run), "--out", str(tmp_path / "hf")])
+    failed = compare_lm_eval_hf.main(["--ckpt", str(run), "--hf", str(tmp_path / "hf"), "--tasks", "arc_easy",
+                                      "lambada_openai", "--limit", "3", "--dtype", "fp32", "--device", "cpu",
+                                      "--offline", "true"])
+    out = capsys.readouterr().out
+    assert failed == 0 and "== local_arc_easy: 12 requests" in out and "== local_lambada_openai: 3 requests" in out
 
 
 # ----------------------------------------------------------------------------- bad input
