@@ -75,9 +75,9 @@ def request_pairs(ours, theirs):
     """{task: [(doc_id, request index, our response, hf response)]}, matched by document and request."""
     pairs = {}
     for task, samples in ours["samples"].items():
-        by_doc = {(s["doc_id"], s["filter"]): s for s in theirs["samples"][task]}
-        pairs[task] = [(s["doc_id"], i, a[0], b[0])
-                       for s in samples for i, (a, b) in enumerate(zip(s["resps"], by_doc[s["doc_id"], s["filter"]]["resps"]))]
+        by_doc = {(s["doc_id"], s["filter"]): s["resps"] for s in theirs["samples"][task]}
+        pairs[task] = [(s["doc_id"], i, a[0], b[0]) for s in samples
+                       for i, (a, b) in enumerate(zip(s["resps"], by_doc[s["doc_id"], s["filter"]]))]
     return pairs
 
 

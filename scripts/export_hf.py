@@ -42,7 +42,8 @@ def main(argv=None):
     try:
         dtype = DTYPES.get(args.dtype)
         arch = export_hf(args.ckpt, args.out, args.format, dtype, args.allow_json_tokenizer)
-        print(f"wrote {args.out}: {HF_CLASSES[arch]}" + (" (load with trust_remote_code=True)" if arch == "custom" else ""))
+        remote = " (load with trust_remote_code=True)" if arch == "custom" else ""
+        print(f"wrote {args.out}: {HF_CLASSES[arch]}{remote}")
         if args.check:
             diff, scale = check_export(args.ckpt, args.out, dtype)
             print(f"check: max |logit difference| {diff:.3g} (max |logit| {scale:.3g})")

@@ -166,7 +166,8 @@ def test_tokenizer_encodes_real_text_like_tiktoken(exported):
     _, _, out = exported("llama")
     hf_tok, tok = AutoTokenizer.from_pretrained(out), get_tokenizer("gpt2")
     texts = [(REPO / "data" / "sample" / "night_and_day.txt").read_text()[:300_000],
-             "  leading spaces\n\n\ttabs  and trailing   ", "naïve café, 日本語 😀 \u200b", "it's they'll I'M we've 1234567"]
+             "  leading spaces\n\n\ttabs  and trailing   ", "naïve café, 日本語 😀 \u200b",
+             "it's they'll I'M we've 1234567"]
     for text in texts:
         ids = tok.encode_ordinary(text)
         assert hf_tok(text, add_special_tokens=False)["input_ids"] == ids

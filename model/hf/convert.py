@@ -25,9 +25,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig
 
-from model.gpt import CHECKPOINT_FORMAT, GPT, GPTConfig, config_dict, load_checkpoint, mlp_hidden_size, \
-    strip_compile_prefix
+from model.gpt import (CHECKPOINT_FORMAT, GPT, GPTConfig, config_dict, load_checkpoint, mlp_hidden_size,
+                       strip_compile_prefix)
+from model.hf.modeling_attn_lm import AttnLMConfig
 from model.hf.tokenizer import GPT2_VOCAB, check_gpt2_vocab, save_gpt2_tokenizer
 
 EOT = 50256
@@ -232,11 +236,10 @@ def tokenizer_vocab(config, train_cfg, allow_json_tokenizer):
 
 def hf_config(config, arch, n_tokens, dtype):
     """The transformers config object for `arch` (stock classes: their own names and defaults)."""
-    common = dict(vocab_size=config.vocab_size, bos_token_id=EOT, eos_token_id=EOT, tie_word_embeddings=config.tie_embeddings,
-                  initializer_range=config.init_std, tokenizer_vocab_size=n_tokens, dtype=dtype,
+    common = dict(vocab_size=config.vocab_size, tokenizer_vocab_size=n_tokens, bos_token_id=EOT, eos_token_id=EOT,
+                  tie_word_embeddings=config.tie_embeddings, initializer_range=config.init_std, dtype=dtype,
                   architectures=[HF_CLASSES[arch]])
     if arch == "llama":
-        from transformers import LlamaConfig
         return LlamaConfig(hidden_size=config.n_embd, intermediate_size=mlp_hidden_size(config),
                            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
                            num_key_value_heads=config.n_head, head_dim=config.head_dim, hidden_act="silu",
@@ -245,12 +248,10 @@ def hf_config(config, arch, n_tokens, dtype):
                            attention_bias=config.bias, mlp_bias=config.bias,
                            attention_dropout=config.dropout, **common)
     if arch == "gpt2":
-        from transformers import GPT2Config
         return GPT2Config(n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
                           n_head=config.n_head, n_inner=mlp_hidden_size(config), activation_function="gelu_new",
                           layer_norm_epsilon=config.norm_eps, resid_pdrop=config.dropout,
                           embd_pdrop=config.dropout, attn_pdrop=config.dropout, **common)
-    from model.hf.modeling_attn_lm import AttnLMConfig
     fields = {k: v for k, v in asdict(config).items() if k != "tie_embeddings"}
     return AttnLMConfig(**{**fields, **common}, auto_map=CUSTOM_AUTO_MAP)
 
@@ -258,9 +259,6 @@ def hf_config(config, arch, n_tokens, dtype):
 def export_hf(ckpt, out, fmt="auto", dtype=None, allow_json_tokenizer=False):
     """Write the checkpoint `ckpt` (file or run dir) as a transformers model directory `out`; return
     the architecture written (llama, gpt2 or custom)."""
-    from safetensors.torch import save_file
-    from transformers import GenerationConfig
-
     config, state, train_cfg = read_checkpoint(ckpt)
     n_tokens = tokenizer_vocab(config, train_cfg, allow_json_tokenizer)
     check_tensors(state, model_shapes(config), f"checkpoint {ckpt}")
@@ -304,7 +302,6 @@ def read_hf_config(src):
     if archs != [HF_CLASSES[model_type]]:
         raise ValueError(f"{path}: architectures={archs}; only {HF_CLASSES[model_type]} (a causal LM with its "
                          "output head) is supported")
-    from transformers import AutoConfig
     return model_type, raw, AutoConfig.from_pretrained(src)
 
 
@@ -368,10 +365,9 @@ def check_tokenizer_files(src):
     """When `src` has tokenizer files, they must be GPT-2's (vocabularies are compared token by token)."""
     src = Path(src)
     if (src / "tokenizer.json").is_file():
-        model = json.loads((src / "tokenizer.json").read_text()).get("model", {})
-        vocab = dict(model.get("vocab", {}))
-        vocab.update({t["content"]: t["id"] for t in json.loads((src / "tokenizer.json").read_text())
-                      .get("added_tokens", [])})
+        tokenizer = json.loads((src / "tokenizer.json").read_text())
+        vocab = dict(tokenizer.get("model", {}).get("vocab", {}))
+        vocab.update({t["content"]: t["id"] for t in tokenizer.get("added_tokens", [])})
         check_gpt2_vocab(vocab, src / "tokenizer.json")
     elif (src / "vocab.json").is_file():
         check_gpt2_vocab(json.loads((src / "vocab.json").read_text()), src / "vocab.json")
@@ -379,8 +375,6 @@ def check_tokenizer_files(src):
 
 def read_hf_tensors(src):
     """{name: tensor} of every weight file of a model directory (safetensors or PyTorch .bin, sharded or not)."""
-    from safetensors.torch import load_file
-
     src = Path(src)
     for single, index, load in (("model.safetensors", "model.safetensors.index.json", load_file),
                                 ("pytorch_model.bin", "pytorch_model.bin.index.json",
@@ -404,8 +398,8 @@ def read_hf_model(src):
     check_tokenizer_files(src)
     tensors = read_hf_tensors(src)
     rules = RULES[arch](config)
-    expected = {k: tuple(v.shape) for k, v in to_hf(rules, {k: torch.empty(s, device="meta") for k, s in
-                                                              model_shapes(config).items()}).items()}
+    meta = {k: torch.empty(shape, device="meta") for k, shape in model_shapes(config).items()}
+    expected = {k: tuple(v.shape) for k, v in to_hf(rules, meta).items()}
     # published checkpoints may carry buffers, and may name the keys of the base model without its prefix
     prefix = {"llama": "model.", "gpt2": "transformer.", "custom": ""}[arch]
     tensors = {(k if k in expected or prefix + k not in expected else prefix + k): v for k, v in tensors.items()
@@ -416,8 +410,6 @@ def read_hf_model(src):
 
 def write_imported_run(out, config, state, train_cfg):
     """Write `out` as a run directory: ckpt_0.pt (weights only, see checkpoint_dict) and config.yaml."""
-    from omegaconf import OmegaConf
-
     with atomic_dir(out) as tmp:
         torch.save(checkpoint_dict(config, state, train_cfg), tmp / "ckpt_0.pt")
         OmegaConf.save(OmegaConf.create(train_cfg), tmp / "config.yaml")
@@ -430,8 +422,6 @@ def check_export(ckpt, out, dtype=None, seq_len=32, seed=0):
     """Load `out` with transformers and the checkpoint with model/gpt.py (its weights rounded to the
     exported `dtype`), both computing in fp32 on CPU; return the largest |logit difference| and |logit|
     on one random sequence of real (non-padding) tokens."""
-    from transformers import AutoModelForCausalLM
-
     config, state, _ = read_checkpoint(ckpt)
     ours = GPT(config)
     ours.load_state_dict({k: v.to(dtype or v.dtype).float() for k, v in state.items()})

@@ -7,6 +7,8 @@ produces from its bytes using only the merges ranked below it.
 """
 import functools
 
+from transformers import GPT2Tokenizer
+
 from data.tokenizer import get_tokenizer
 
 GPT2_VOCAB = 50257       # 50256 BPE tokens + <|endoftext|>
@@ -59,9 +61,7 @@ def gpt2_vocab_and_merges():
 
 
 def save_gpt2_tokenizer(out_dir, model_max_length):
-    """Write GPT-2's tokenizer (tokenizer.json, vocab.json, merges.txt, configs) into out_dir."""
-    from transformers import GPT2Tokenizer
-
+    """Write GPT-2's tokenizer (tokenizer.json and tokenizer_config.json) into out_dir."""
     vocab, merges = gpt2_vocab_and_merges()
     tok = GPT2Tokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=model_max_length)
     tok.save_pretrained(out_dir)
