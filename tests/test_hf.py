@@ -69,18 +69,18 @@ def save_run(model, cfg, run_dir):
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
-    """variant -> (our model, checkpoint run dir, exported directory), each built once."""
+    """(variant, --format) -> (our model, checkpoint run dir, exported directory), each built once."""
     cache = {}
 
-    def get(variant):
-        if variant not in cache:
+    def get(variant, fmt="auto"):
+        if (variant, fmt) not in cache:
             torch.manual_seed(list(VARIANTS).index(variant))
             model, cfg = random_model(variant)
             root = tmp_path_factory.mktemp(variant)
             run = save_run(model, cfg, root / "run")
-            export_hf.main(["--ckpt", str(run), "--out", str(root / "hf")])
-            cache[variant] = model, run, root / "hf"
-        return cache[variant]
+            export_hf.main(["--ckpt", str(run), "--out", str(root / "hf"), "--format", fmt])
+            cache[variant, fmt] = model, run, root / "hf"
+        return cache[variant, fmt]
     return get
 
 
@@ -133,18 +133,21 @@ def test_import_of_an_export_gives_back_the_checkpoint_bit_exactly(variant, expo
     assert cfg["model"]["attention"] == model.config.attention
 
 
-@pytest.mark.parametrize("variant", ["fox_pro", "castle_swl", "transformer_pro"])
+@pytest.mark.parametrize("variant", ["fox_pro", "castle_swl", "transformer_pro", "gpt2"])
 def test_custom_model_generates_left_padded_batches_like_single_prompts(variant, exported):
-    """Batched generate() pads on the left: positions, keys, lookahead contributors, forget gates and
-    KV-shift must ignore the padding."""
-    _, _, out = exported(variant)
+    """Batched generate() pads on the left: keys, KV-shift and (learned) positions must ignore the padding."""
+    _, _, out = exported(variant, "custom")
     hf = load_hf(out)
     short, long = prompt(4, seed=2), prompt(9, seed=3)
     batch = torch.cat([torch.cat([torch.full((1, 5), EOT), short], dim=1), long])
     mask = torch.ones_like(batch)
     mask[0, :5] = 0
     together = hf.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)[:, 9:]
+    with torch.no_grad():
+        padded = hf(batch, attention_mask=mask).logits
     for row, p in enumerate((short, long)):
+        with torch.no_grad():
+            assert (padded[row, -p.size(1):] - hf(p).logits[0]).abs().max() <= 1e-4
         alone = hf.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=6, do_sample=False)[:, p.size(1):]
         assert together[row].tolist() == alone[0].tolist()
 

@@ -16,9 +16,11 @@ Attention runs in its plain materialized form with fp32 (fp64 for fp64 weights) 
 and for CASTLE the L x L x L product of the parallel form. `generate()` recomputes the whole sequence
 at every step (no cache): exact, but each new token costs a full forward pass.
 
-`attention_mask` (1 = token, 0 = padding) supports left padding (what batched `generate()` uses) and
-right padding exactly: a padding token is never a key, never a lookahead contributor, does not decay
-the forget gate and enters KV-shift as zeros, and positions count real tokens only.
+`attention_mask` (1 = token, 0 = padding) takes left padding (what batched `generate()` uses) and right
+padding exactly: a padding token is never a key and enters KV-shift as zeros, and positions count real
+tokens only. Padding before or after every real token never reaches a real query otherwise (its lookahead
+contributions and forget gates only concern keys it precedes or follows); holes inside a row are not
+supported.
 """
 import math
 
@@ -187,8 +189,7 @@ class SoftmaxAttention(nn.Module):
         ct = compute_dtype(x.dtype)
         scores = (q.to(ct) @ k.to(ct).transpose(-1, -2)) * self.head_dim ** -0.5
         if self.fgate is not None:
-            log_f = F.logsigmoid(self.fgate(x).float()).transpose(1, 2).to(torch.float64)   # (B, H, T)
-            c = torch.cumsum(log_f * valid[:, None, :], dim=-1)   # padding does not decay the gate
+            c = torch.cumsum(F.logsigmoid(self.fgate(x).float()).transpose(1, 2).to(torch.float64), dim=-1)
             scores = scores + (c[..., :, None] - c[..., None, :]).to(ct)
         y = softmax_attend(scores, v, allowed).to(x.dtype)
         if self.out_norm is not None:
@@ -232,7 +233,6 @@ class CastleAttention(nn.Module):
         ahead = idx[:, None] < idx[None, :]                                # (owner j, contributor i)
         if self.window is not None:
             ahead = ahead & (idx[None, :] <= idx[:, None] + self.window)
-        ahead = ahead & valid[:, None, None, :]                            # padding contributes nothing
         a_u = torch.sigmoid(s * qu @ ku.transpose(-1, -2)).masked_fill(~ahead, 0.0)
         r = (s * qc @ vu.transpose(-1, -2)).masked_fill(~causal, 0.0)
         s_u = r @ a_u.transpose(-1, -2)
