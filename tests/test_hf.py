@@ -5,7 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -104,8 +104,10 @@ def test_export_logits_and_greedy_generation_equal_ours(variant, exported):
     assert (out / "modeling_attn_lm.py").is_file() == (expected is None)
     x = torch.randint(0, VOCAB, (2, model.config.block_size))
     with torch.no_grad():
-        ours, theirs = model(x)[0], hf(x).logits
-    assert (ours - theirs).abs().max().item() <= 1e-4
+        ours, theirs = model(x)[0], hf(x, labels=x)
+        _, loss = model(x[:, :-1], targets=x[:, 1:])        # transformers shifts the labels itself
+    assert (ours - theirs.logits).abs().max().item() <= 1e-4
+    assert theirs.loss.item() == pytest.approx(loss.item(), abs=1e-5)
     idx = prompt(6, seed=1)
     with torch.no_grad():
         assert model(idx)[0][0, -1].argmax() >= N_TOKENS       # without suppression a padding id would win
@@ -163,6 +165,12 @@ def test_format_custom_and_stock(exported, tmp_path):
     with pytest.raises(SystemExit) as e:
         export_hf.main(["--ckpt", str(fox_run), "--out", str(tmp_path / "stock"), "--format", "stock"])
     assert e.value.code == 2 and not (tmp_path / "stock").exists()
+
+
+def test_custom_config_defaults_are_gptconfigs():
+    """modeling_attn_lm.py cannot import model/gpt.py: its copy of GPTConfig's fields must not drift."""
+    from model.hf.modeling_attn_lm import MODEL_DEFAULTS
+    assert MODEL_DEFAULTS == {f.name: f.default for f in fields(GPTConfig) if f.name != "tie_embeddings"}
 
 
 def test_tokenizer_encodes_real_text_like_tiktoken(exported):
