@@ -22,6 +22,7 @@ import tempfile
 import lm_eval.tasks
 import torch
 from lm_eval import simple_evaluate
+from lm_eval.models.huggingface import HFLM
 
 from data.tokenizer import tokenizer_for
 from evaluation.lm_eval_adapter import GPTLM, data_root, load_tasks, select_tasks, use_local_copies, write_local_tasks
@@ -53,8 +54,6 @@ def parse(argv):
 
 def harnesses(args):
     """(our GPTLM, lm-eval's HFLM) over the same weights in the same dtype on the same device."""
-    from lm_eval.models.huggingface import HFLM
-
     model, train_cfg, device = load_model(args.ckpt, args.device, args.dtype)
     ours = GPTLM(model, tokenizer_for(train_cfg["data"]), batch_tokens=args.batch_tokens, add_bos=True)
     theirs = HFLM(pretrained=args.hf, device=str(device), dtype=DTYPES[args.dtype], softmax_dtype="float32",
