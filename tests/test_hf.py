@@ -17,9 +17,9 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
                           LlamaForCausalLM)
 
 from data.tokenizer import get_tokenizer
+from evaluation.lm_eval_adapter import data_root
 from model.gpt import GPT, GPTConfig, mlp_hidden_size
 from model.hf.convert import atomic_dir, checkpoint_dict, read_checkpoint
-from evaluation.lm_eval_adapter import data_root
 from scripts import compare_lm_eval_hf, export_hf, import_hf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,8 +45,9 @@ def train_config(overrides):
 
 
 def random_model(variant, seq_len=24):
-    """A model of `variant` with weights large enough for varied greedy output, whose padding rows
-    (ids >= 50257) would win every argmax if generation let them."""
+    """A model of `variant` with weights far from their initialisation (norm scales off 1, large enough
+    that every layer matters), whose padding rows (ids >= 50257) win the argmax unless generation
+    suppresses them."""
     group, overrides = VARIANTS[variant]
     cfg = train_config([f"model={group}", *TINY, f"train.seq_len={seq_len}", *overrides])
     model = GPT(GPTConfig.from_dict({**cfg["model"], "tokenizer_vocab_size": N_TOKENS}))
