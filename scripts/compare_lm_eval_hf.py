@@ -25,7 +25,8 @@ from lm_eval import simple_evaluate
 from lm_eval.models.huggingface import HFLM
 
 from data.tokenizer import tokenizer_for
-from evaluation.lm_eval_adapter import GPTLM, data_root, load_tasks, select_tasks, use_local_copies, write_local_tasks
+from evaluation.lm_eval_adapter import (GPTLM, check_task_names, data_root, load_tasks, select_tasks, use_local_copies,
+                                        write_local_tasks)
 from model.gpt import load_model
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
@@ -136,6 +137,7 @@ def compare(args):
     names, skipped = select_tasks(None, args.tasks, local)
     if skipped:
         raise ValueError(f"no local copy of {sorted(skipped)}; run with the Hub reachable (--offline false)")
+    check_task_names(names, None)
     ours_lm, theirs_lm = harnesses(args)
     with tempfile.TemporaryDirectory() as tmp:
         manager = lm_eval.tasks.TaskManager(include_path=[str(write_local_tasks(tmp, root))],
