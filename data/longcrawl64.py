@@ -79,7 +79,7 @@ class LongCrawl64Loader:
 
     def __init__(self, array, batch_size, seq_len, rank=0, world_size=1, order="paper", seed=0, *, vocab_size):
         if order not in ("paper", "shuffled"):
-            raise ValueError(f"order must be 'paper' or 'shuffled', got {order!r}")
+            raise ValueError(f"data.order must be 'paper' or 'shuffled' for LongCrawl64, got {order!r}")
         if not 0 < seq_len <= DOC_LEN:
             raise ValueError(f"seq_len {seq_len} must lie in [1, {DOC_LEN}]: samples are chunks of one document")
         if not 0 <= rank < world_size:

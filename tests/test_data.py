@@ -173,7 +173,7 @@ def stream_shards(tmp_path):
 def test_loader_reads_the_stream_in_order_and_wraps(stream_shards):
     files, stream = stream_shards
     B, T = 3, 50
-    loader = TokenLoader(files, B, T, vocab_size=V)
+    loader = TokenLoader([files], B, T, vocab_size=V)
     n_chunks = (len(stream) - 1) // (B * T)
     for k in range(2 * n_chunks + 1):  # two epochs and a bit: crosses every shard boundary
         x, y = loader.next_batch()
@@ -185,24 +185,24 @@ def test_loader_reads_the_stream_in_order_and_wraps(stream_shards):
 
 def test_loader_resume_gives_the_same_batches(stream_shards):
     files, _ = stream_shards
-    loader = TokenLoader(files, 2, 64, rank=1, world_size=2, vocab_size=V)
+    loader = TokenLoader([files], 2, 64, rank=1, world_size=2, vocab_size=V)
     for _ in range(5):
         loader.next_batch()
     state = loader.state_dict()
     assert state["position"] == 5 * 2 * 2 * 64
     expected = [loader.next_batch() for _ in range(6)]
-    resumed = TokenLoader(files, 2, 64, rank=1, world_size=2, vocab_size=V)
+    resumed = TokenLoader([files], 2, 64, rank=1, world_size=2, vocab_size=V)
     resumed.load_state_dict(state)
     for (x, y), (xr, yr) in zip(expected, (resumed.next_batch() for _ in range(6)), strict=True):
         assert torch.equal(x, xr) and torch.equal(y, yr)
     with pytest.raises(ValueError, match="not a multiple"):
-        TokenLoader(files, 3, 64, vocab_size=V).load_state_dict({"position": 100})
+        TokenLoader([files], 3, 64, vocab_size=V).load_state_dict({"position": 100})
 
 
 def test_two_ranks_read_what_one_rank_reads_in_two_steps(stream_shards):
     files, _ = stream_shards
-    one = TokenLoader(files, 2, 32, vocab_size=V)
-    ranks = [TokenLoader(files, 2, 32, rank=r, world_size=2, vocab_size=V) for r in range(2)]
+    one = TokenLoader([files], 2, 32, vocab_size=V)
+    ranks = [TokenLoader([files], 2, 32, rank=r, world_size=2, vocab_size=V) for r in range(2)]
     for _ in range(20):
         for rank in ranks:
             x, y = rank.next_batch()
@@ -214,7 +214,7 @@ def test_two_ranks_read_what_one_rank_reads_in_two_steps(stream_shards):
 def test_loader_needs_enough_tokens(stream_shards):
     files, _ = stream_shards
     with pytest.raises(ValueError, match="fewer than one batch"):
-        TokenLoader(files[:2], 4, 200, vocab_size=V)
+        TokenLoader([files[:2]], 4, 200, vocab_size=V)
     with pytest.raises(ValueError, match="at least one"):
         TokenLoader([], 1, 1, vocab_size=V)
 
@@ -242,7 +242,7 @@ def test_build_loader_prepares_the_bundled_sample(tmp_path):
     cfg = sample_config(tmp_path)
     train = build_loader(cfg, "train", 4, 128, rank=1, world_size=2)
     val = build_loader(cfg, "val", 2, 256)
-    assert val.offsets[-1] == cfg.auto_prepare.val_tokens and train.offsets[-1] > 200_000
+    assert val.streams[0].n_tokens == cfg.auto_prepare.val_tokens and train.streams[0].n_tokens > 200_000
     x, y = train.next_batch()
     assert x.shape == (4, 128) and torch.equal(x[:, 1:], y[:, :-1])
     first = val.next_batch()[0][0].tolist()
