@@ -668,6 +668,7 @@ def test_longcrawl_paper_order_bos_and_resume(longcrawl):
             after = [loader.next_batch() for _ in range(3)]
             resumed = LongCrawl64Loader(array, B, T, vocab_size=V)
             resumed.load_state_dict(state)
+            assert resumed.source_counts() == {str(longcrawl / "train.zarr"): 7 * B}
             assert all(torch.equal(a[1], resumed.next_batch()[1]) for a in after)
             loader.load_state_dict(state)
 
