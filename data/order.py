@@ -15,7 +15,7 @@ through epochs:
             (seed, source, epoch): a new order each epoch, every sequence exactly once per epoch.
 The permutation is a keyed Feistel bijection evaluated per sample, not a stored array: O(1) memory
 and no pause at an epoch boundary for any S (a stored permutation of 25M sequences, 50B tokens at
-T = 2048, is 191 MiB per rank and source and takes over a second to draw).
+T = 2048, holds 191 MiB per rank and source, drawn anew every epoch).
 
 A mix interleaves sources by weight deterministically (MixSchedule): after any g samples, each
 source has given its share of g to within about one sample, so every global batch holds the
