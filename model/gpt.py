@@ -53,14 +53,14 @@ class GPTConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     scaled_residual_init: bool = True   # GPT-2's std / sqrt(2 n_layer) on residual outputs (FoX: off)
-    # CASTLE / CASTLE-SWL (castle.md)
+    # CASTLE / CASTLE-SWL (arXiv:2509.08897)
     castle_window: int | None = None    # W of CASTLE-SWL (attention=castle_swl)
-    castle_rope: str = "qk"             # rotated: "causal" q^C,k^C (R1) | "qk" + q^U,k^U (R2) | "qkv" + v^U (R3)
+    castle_rope: str = "qk"             # RoPE on "causal" q^C,k^C | "qk" + q^U,k^U | "qkv" + v^U (paper: unstated)
     castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
-    # Forgetting Transformer and the Pro block (fox.md §2)
-    fgate_bias_init: float = 0.0        # forget-gate bias at init (fox.md §2.7)
+    # Forgetting Transformer and the Pro block (arXiv:2503.02130 §3, App. A)
+    fgate_bias_init: float = 0.0        # forget-gate bias at init (FoX: 0, App. D)
     qk_norm: bool = False               # per-head RMSNorm of q and k (Pro)
-    qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs
+    qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs (App. A, fn. 4)
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
     output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
@@ -371,9 +371,9 @@ class SoftmaxAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if fresh:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        # One new query sees every cached key: no mask, so SDPA can take FlashAttention's split-KV decode. With
-        # the (all-true) mask it took a kernel parallel over queries only: a 4-layer model (d 2048, 16 heads)
-        # decoded at 22.2 ms/token over 128K cached tokens instead of 1.54 (H200, CUDA graph; 32K: 5.98, 0.80).
+        # One new query sees every cached key: no mask, so SDPA can take FlashAttention's split-KV decode. Given
+        # the (all-true) mask it takes a kernel parallel over queries only, which leaves most of the GPU idle for a
+        # single query over a long cache.
         mask = cached_causal_mask(T, k.size(2), q.device) if T > 1 else None
         return decode_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout)
 

@@ -224,7 +224,7 @@ def test_blockwise_backward_rebuilds_u_to_zero():
 
 def _permuted_fwd_bwd(fn, xs, go):
     """(outputs and gradients as computed, and as computed on batch- and head-permuted inputs then
-    permuted back): invariant 14, nothing flows between batch items or heads."""
+    permuted back): nothing flows between batch items or heads."""
     pb, ph = torch.randperm(xs[0].shape[0]), torch.randperm(xs[0].shape[1])
     out, g = _fwd_bwd(fn, xs, go)
     out_p, g_p = _fwd_bwd(fn, [x[pb][:, ph] for x in xs], go[pb][:, ph])

@@ -1,4 +1,4 @@
-"""Decoding with every layer's cache sharded over ranks (issue 8, Tree Attention arXiv:2408.04093):
+"""Decoding with every layer's cache sharded over ranks (Tree Attention, arXiv:2408.04093 §5.2):
 greedy tokens and logits equal single-process decoding for every attention variant, with real
 gloo process groups; then sample.py under torchrun prints the same text as one process.
 
