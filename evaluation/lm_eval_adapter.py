@@ -193,7 +193,7 @@ LONGBENCH = (("NarrativeQA", "narrativeqa"), ("Qasper", "qasper"), ("MFQA", "mul
              ("TriviaQA", "triviaqa"), ("SamSum", "samsum"), ("LCC", "lcc"), ("RepoBench-P", "repobench-p"))
 
 PRESETS = {
-    # CASTLE (arXiv:2509.08897) §3.3, Tables 2-3: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for the rest;
+    # CASTLE (arXiv:2509.07301) §3.3, Tables 2-3: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for the rest;
     # 0- and 5-shot
     "castle": Preset(shots=(0, 5), columns=(
         ("ARC-C", "arc_challenge", "acc_norm"), ("ARC-E", "arc_easy", "acc"), ("BoolQ", "boolq", "acc"),

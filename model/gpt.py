@@ -53,7 +53,7 @@ class GPTConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     scaled_residual_init: bool = True   # GPT-2's std / sqrt(2 n_layer) on residual outputs (FoX: off)
-    # CASTLE / CASTLE-SWL (arXiv:2509.08897)
+    # CASTLE / CASTLE-SWL (arXiv:2509.07301)
     castle_window: int | None = None    # W of CASTLE-SWL (attention=castle_swl)
     castle_rope: str = "qk"             # RoPE on "causal" q^C,k^C | "qk" + q^U,k^U | "qkv" + v^U (paper: unstated)
     castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
@@ -413,7 +413,7 @@ register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=Tr
 
 
 class CastleAttention(nn.Module):
-    """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (arXiv:2509.08897). Six projections per
+    """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (arXiv:2509.07301). Six projections per
     head and W_O: 7 n_head d d_model parameters."""
 
     def __init__(self, config, window):
@@ -446,7 +446,7 @@ class CastleAttention(nn.Module):
                            window=self.window, group=group)
 
     def flops_per_token(self, seq_len):
-        # The block algorithm (arXiv:2509.08897 App. 8) takes 8 block matmuls per (query, key) tile pair inside
+        # The block algorithm (arXiv:2509.07301 App. 8) takes 8 block matmuls per (query, key) tile pair inside
         # the lookahead window, 3 outside it (SWL), against FlashAttention's 2: ~4x and ~1.5x its FLOPs
         inside = keys_per_query(seq_len, self.window)
         return 12 * self.n_head * self.head_dim * (4 * inside + 1.5 * (keys_per_query(seq_len) - inside))

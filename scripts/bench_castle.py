@@ -6,7 +6,7 @@ Rows: our Triton kernels (kernels/castle/), the materialised parallel form (impl
 and, for 16-bit inputs, under autocast: 16-bit cuBLAS matmuls),
 the blockwise PyTorch path (impl="blockwise"), the PyPI peer `lookahead-keys-attention` when importable,
 and SDPA causal attention at the same shape. Times are medians of CUDA-event timings after warm-up
-(triton.testing.do_bench). TFLOP/s count the block algorithm's FLOPs (CASTLE arXiv:2509.08897 App. 8):
+(triton.testing.do_bench). TFLOP/s count the block algorithm's FLOPs (CASTLE arXiv:2509.07301 App. 8):
 8 block matmuls, ~16 B^2 d FLOPs per block pair forward, i.e. 8 L^2 d per head over the causal half (4x
 FlashAttention's 2 L^2 d); the backward, counted from Algorithm 3 (24 block matmuls per pair), 24 L^2 d.
 For SWL the same dense count is used (an "effective" rate). --sweep times the Triton kernels over tile

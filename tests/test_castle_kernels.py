@@ -1,4 +1,4 @@
-"""CASTLE / CASTLE-SWL kernels (kernels/castle/) against the definitions of CASTLE (arXiv:2509.08897).
+"""CASTLE / CASTLE-SWL kernels (kernels/castle/) against the definitions of CASTLE (arXiv:2509.07301).
 
 Oracle chain: the recurrent definition (§2.2, explicit U^t for every t, fp64) checks the parallel form
 (Theorem 1); autograd of the parallel form (fp64) is the gradient oracle for the blockwise PyTorch path and the

@@ -40,7 +40,7 @@ def test_every_attention_is_tested():
     assert set(ATTENTIONS) <= {kw["attention"] for kw in VARIANTS.values()}
 
 
-# CASTLE (arXiv:2509.08897) Table 4: (n_layer, n_embd, n_head, head_dim) -> parameters
+# CASTLE (arXiv:2509.07301) Table 4: (n_layer, n_embd, n_head, head_dim) -> parameters
 PAPER_SIZES = {"S": ((12, 896, 14, 64), 160e6), "M": ((24, 1024, 16, 64), 353e6),
                "L": ((24, 1536, 16, 96), 756e6), "XL": ((24, 2048, 16, 128), 1.310e9)}
 

@@ -228,7 +228,7 @@ def check_fox(c):
 
 
 def castle_reference(qc, kc, vc, qu, ku, vu, t, window):
-    """Single-device CASTLE output at position t from its definition (arXiv:2509.08897 eqs (3)-(8)), fp64."""
+    """Single-device CASTLE output at position t from its definition (arXiv:2509.07301 eqs (3)-(8)), fp64."""
     qc, kc, vc, qu, ku, vu = (x.double() for x in (qc, kc, vc, qu, ku, vu))
     d = qc.shape[-1]
     s, j = torch.arange(t + 1).unsqueeze(-1), torch.arange(t + 1)

@@ -1,4 +1,4 @@
-"""CASTLE and CASTLE-SWL attention: causal attention with lookahead keys (Song et al., arXiv:2509.08897).
+"""CASTLE and CASTLE-SWL attention: causal attention with lookahead keys (Song et al., arXiv:2509.07301).
 
 Per head, with s = scale = d ** -0.5 used exactly as in eqs (11)/(12):
 

@@ -1,5 +1,5 @@
 """CASTLE inference: the UQ-KV cache (CastleCache), prefill and one-position decode steps, and the
-decode kernels. CASTLE (arXiv:2509.08897) §2.4 and Appendix 9: eq (13) updates the lookahead keys, eqs
+decode kernels. CASTLE (arXiv:2509.07301) §2.4 and Appendix 9: eq (13) updates the lookahead keys, eqs
 (5)-(8) score the cached positions, Algorithm 4 prefills.
 
     castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None, cache=None)

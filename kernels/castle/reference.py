@@ -1,5 +1,5 @@
 """CASTLE's definitions in PyTorch: the parallel form (impl="torch") and the block algorithm
-(impl="blockwise", with a hand-written backward). CASTLE (arXiv:2509.08897) per head, with
+(impl="blockwise", with a hand-written backward). CASTLE (arXiv:2509.07301) per head, with
 s = scale = d ** -0.5 used as in eqs (11)/(12) (the proof of Theorem 1 in Appendix 6 divides S^U by
 sqrt(d) once more: a typo; eqs (6), (11), (12) agree on one factor s):
 

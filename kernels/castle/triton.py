@@ -1,4 +1,4 @@
-"""CASTLE's Triton training kernels: the block algorithm of CASTLE (arXiv:2509.08897) Theorem 2
+"""CASTLE's Triton training kernels: the block algorithm of CASTLE (arXiv:2509.07301) Theorem 2
 (Appendix 8, Algorithms 1-3) on the GPU; on CPU they run under TRITON_INTERPRET=1.
 
 How the kernels schedule the block algorithm (equivalent to the paper's anti-diagonal sweep):

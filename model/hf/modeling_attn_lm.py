@@ -10,7 +10,7 @@ variant of attention-lm's model/gpt.py, with the same parameter names:
 - Forgetting Attention, FoX (arXiv:2503.02130 §2): scores q_i.k_j / sqrt(d) + sum_{l=j+1..i} log f_l;
 - the Pro block (arXiv:2503.02130 App. A, eqs. (15)-(23)): KV-shift, QK-norm, per-head output norm
   and sigmoid output gate;
-- CASTLE and CASTLE-SWL (arXiv:2509.08897 Theorem 1, eqs. (10)-(12)): causal keys plus lookahead keys.
+- CASTLE and CASTLE-SWL (arXiv:2509.07301 Theorem 1, eqs. (10)-(12)): causal keys plus lookahead keys.
 
 Attention runs in its plain materialized form with fp32 (fp64 for fp64 weights) math: L x L scores,
 and for CASTLE the L x L x L product of the parallel form. `generate()` recomputes the whole sequence
@@ -202,7 +202,7 @@ class SoftmaxAttention(nn.Module):
 
 class CastleAttention(nn.Module):
     """CASTLE (window None) or CASTLE-SWL (lookahead contributors i with j < i <= j + W), parallel form
-    (arXiv:2509.08897 eqs. (11), (12)), s = d ** -0.5:
+    (arXiv:2509.07301 eqs. (11), (12)), s = d ** -0.5:
 
         S^U = ((s Qc Vu^T) causal) @ (sigmoid(s Qu Ku^T) lookahead)^T
         out = softmax(s Qc Kc^T - SiLU(S^U), causal) @ Vc
