@@ -79,7 +79,7 @@ class LongCrawl64Loader:
 
     def __init__(self, array, batch_size, seq_len, rank=0, world_size=1, order="paper", seed=0, *, vocab_size):
         if order not in ("paper", "shuffled"):
-            raise ValueError(f"order must be 'paper' or 'shuffled', got {order!r}")
+            raise ValueError(f"data.order must be 'paper' or 'shuffled' for LongCrawl64, got {order!r}")
         if not 0 < seq_len <= DOC_LEN:
             raise ValueError(f"seq_len {seq_len} must lie in [1, {DOC_LEN}]: samples are chunks of one document")
         if not 0 <= rank < world_size:
@@ -119,13 +119,19 @@ class LongCrawl64Loader:
     def load_state_dict(self, state):
         self.step = step_from_position(state["position"], self.world_size * self.batch_size * self.seq_len)
 
+    def source_counts(self):
+        """{array path: sequences all ranks have read}, as TokenLoader.source_counts (one source)."""
+        return {self._path(): self.step * self.world_size * self.batch_size}
+
+    def _path(self):
+        return str(self.array.store_path).removeprefix("file://")
+
     def _check_ids(self, y, docs, first_col):
         bad = first_out_of_vocab(y.reshape(-1), self.vocab_size)
         if bad is not None:
             row, col = divmod(bad, y.shape[1])
             doc = docs.start + row if isinstance(docs, slice) else int(docs[row])
-            path = str(self.array.store_path).removeprefix("file://")
-            where = f"{path}: document {doc:,}, token {first_col + col:,}"
+            where = f"{self._path()}: document {doc:,}, token {first_col + col:,}"
             raise out_of_vocab_error(where, int(y[row, col]), self.vocab_size)
 
     def _doc_permutation(self, column_pass):

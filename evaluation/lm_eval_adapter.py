@@ -193,19 +193,22 @@ LONGBENCH = (("NarrativeQA", "narrativeqa"), ("Qasper", "qasper"), ("MFQA", "mul
              ("TriviaQA", "triviaqa"), ("SamSum", "samsum"), ("LCC", "lcc"), ("RepoBench-P", "repobench-p"))
 
 PRESETS = {
-    # castle.md §5.6: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for the rest; 0- and 5-shot
+    # CASTLE (arXiv:2509.07301) §3.3, Tables 2-3: acc_norm for ARC-C, HellaSwag, OBQA, PIQA; acc for the rest;
+    # 0- and 5-shot
     "castle": Preset(shots=(0, 5), columns=(
         ("ARC-C", "arc_challenge", "acc_norm"), ("ARC-E", "arc_easy", "acc"), ("BoolQ", "boolq", "acc"),
         ("Hella.", "hellaswag", "acc_norm"), ("MMLU", "mmlu", "acc"), ("OBQA", "openbookqa", "acc_norm"),
         ("PIQA", "piqa", "acc_norm"), ("Wino.", "winogrande", "acc"))),
-    # fox.md §4.3, Table 1 (zero-shot); Avg over the 10 accuracy columns
+    # FoX (arXiv:2503.02130) §4.4, Table 1 (zero-shot). The paper does not define Avg; the mean of the 10 accuracy
+    # columns (both perplexities left out) reproduces its numbers
     "fox": Preset(columns=(
         ("Wiki. ppl", "wikitext", "word_perplexity"), ("LMB. ppl", "lambada_openai", "perplexity"),
         ("LMB. acc", "lambada_openai", "acc"), ("PIQA", "piqa", "acc"), ("Hella.", "hellaswag", "acc_norm"),
         ("Wino.", "winogrande", "acc"), ("ARC-e", "arc_easy", "acc"), ("ARC-c", "arc_challenge", "acc_norm"),
         ("COPA", "copa", "acc"), ("OBQA", "openbookqa", "acc_norm"), ("SciQA", "sciq", "acc"),
         ("BoolQ", "boolq", "acc"))),
-    # fox.md §4.4, Table 2: prompts cut in the middle, predictions cut at their first line
+    # FoX §4.4, Table 2. The paper gives no protocol beyond LongBench's metrics; its numbers come from its code,
+    # which cuts prompts in the middle and every prediction at its first line
     "longbench": Preset(columns=tuple((title, f"longbench_{name}", "score") for title, name in LONGBENCH),
                         average=False, truncation="middle", first_line=True),
 }

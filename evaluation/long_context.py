@@ -1,4 +1,5 @@
-"""Per-token loss L(i) and perplexity P(l) on held-out sequences (fox.md §4.1), past the training context too.
+"""Per-token loss L(i) and perplexity P(l) on held-out sequences (FoX, arXiv:2503.02130 §4.2), past the
+training context too.
 
     python eval.py ckpt=RUN eval.tasks=[long_context] long_context.seq_len=65536 long_context.num_seqs=512
     python scripts/plot_long_context.py runs/fox runs/baseline --out long_context.png    # overlay runs

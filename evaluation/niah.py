@@ -1,4 +1,5 @@
-"""Needle in a haystack (fox.md §4.2): find one sentence hidden at some depth of a long text.
+"""Needle in a haystack (FoX, arXiv:2503.02130 §4.3, App. B.3): find one sentence hidden at some depth of a
+long text.
 
     python eval.py ckpt=RUN eval.tasks=[niah]                                  # easy + standard, 11 x 11
     python eval.py ckpt=RUN eval.tasks=[niah] niah.lengths=[2000,4000] niah.depths=[0,50,100]
@@ -9,9 +10,9 @@ token (at the end for 100%); 200 tokens kept free for the question; <|endoftext|
 count the model's own tokens (JSON-escaped GPT-2 for LongCrawl64 models). Two deliberate
 differences: the haystack is the ELTeC novels of ../shared/data/books (in file-name order) instead
 of Paul Graham's essays, and the prompt is assembled from token ids, so every depth of one length
-has the same token count. Scoring is offline and NOT the paper's GPT-4o judge: a prompt passes when
-the greedy continuation contains the needle's answer verbatim; the heatmap shows 10 for a pass and
-1 for a fail on the paper's 1-10 scale (fox.md §8.3). Writes niah_<mode>.json and niah_<mode>.png.
+has the same token count. Scoring is offline and NOT the paper's GPT-4o judge (an external service):
+a prompt passes when the greedy continuation contains the needle's answer verbatim; the heatmap shows
+10 for a pass and 1 for a fail on the paper's 1-10 scale. Writes niah_<mode>.json and niah_<mode>.png.
 """
 import json
 import os

@@ -1,4 +1,4 @@
-"""TinT dynamic evaluation of a checkpoint (tint.md §5.2, the in-repo analogue of the paper's Tables 2-3).
+"""TinT dynamic evaluation of a checkpoint: the in-repo analogue of Tables 2-3 of TinT (arXiv:2307.01189 §3).
 
     python eval.py ckpt=RUN eval.tasks=[tint]                                   # configs/tint/default.yaml
     python eval.py ckpt=RUN eval.tasks=[tint] tint.lr=3e-5 tint.train_fracs=[0.3,0.5,0.7,0.9]
@@ -6,7 +6,9 @@
 Each sequence is split into a training segment (its first n_train tokens) and a test segment; the
 test tokens are scored side by side by
   * vanilla   the checkpoint, no update;
-  * dyneval   exact-gradient dynamic evaluation with TinT's loss, lr and parameter set ("matched", §2.10);
+  * dyneval   exact-gradient dynamic evaluation with TinT's loss, lr and parameter set, so that its gap to
+              tint_ref is what TinT's approximations (§2.4, §2.5) cost (the paper does not say how its own
+              dynamic-evaluation baseline is set up);
   * dyneval_full (optional) exact gradients on every weight of the top blocks and the final norm;
   * tint_ref  TinT's approximate one-step update computed directly (model/tint/reference.py);
   * tint_sim  the TinT simulator (GPT-2- and LLaMA-style checkpoints; expensive, so on the first
@@ -17,9 +19,9 @@ Two workloads:
     fraction in train_fracs, the perplexity of the tail tokens (the paper's Table 2 protocol);
   * task: a local multiple-choice set (llm-foundry {query, choices, gold} jsonl: arc_easy by default,
     arc_challenge, openbookqa; or piqa's valid.jsonl + labels), the zero-shot "learn from the context"
-    protocol of §4.1: the context (optional `task_shots` solved demonstrations, then the question) is
-    the training segment, the answer option the test segment; acc (sum of log-probs) and acc_norm (per
-    byte of the option), like lm-eval.
+    protocol (the paper's k = 0 setting, §3.1): the context (optional `task_shots` solved
+    demonstrations, then the question) is the training segment, the answer option the test segment;
+    acc (sum of log-probs) and acc_norm (per byte of the option), like lm-eval.
 The learning rate multiplies the loss *summed* over the training tokens (TinT's convention), so it
 scales like 1 / (number of training tokens): with ~500 training tokens start around 1e-4.
 
@@ -257,7 +259,7 @@ def load_task(o):
 
 
 def task_eval(scorer, ctx, o, methods, device, tokenizer):
-    """Zero-shot / few-shot multiple choice where TinT learns from the context (§4.1 k = 0 protocol)."""
+    """Zero-shot / few-shot multiple choice where TinT learns from the context (TinT §3.1, k = 0)."""
     items = load_task(o)
     shots, items = items[: o["task_shots"]], items[o["task_shots"]:]
     demo = "".join(f"{c}{ch[g]}\n\n" for c, ch, g in shots)

@@ -1,7 +1,7 @@
 """Choosing F.scaled_dot_product_attention's backend.
 
-PyTorch (2.11 on an H100) runs SDPA through cuDNN first. cuDNN is the fastest backend for training
-shapes, but it builds an execution plan for every new shape (~40 ms on an H100), and cached decoding
+On Hopper GPUs PyTorch runs SDPA through cuDNN first. cuDNN is the fastest backend for training
+shapes, but it builds an execution plan for every new shape (tens of milliseconds), and cached decoding
 attends over a cache one position longer at every step: a new plan per token. `decode_sdpa` therefore
 leaves cuDNN out; `prefer_sdpa_backend` picks the backend tried first for training.
 """

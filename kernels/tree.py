@@ -1,6 +1,8 @@
 """Tree attention: exact decode attention over a KV cache sharded along the sequence axis.
 
-Spec: shared/spec/tree_attention.md (Shyam et al., "Tree Attention", arXiv 2408.04093).
+Tree Attention (Shyam et al., arXiv:2408.04093): the exact merge of partial attention results (§5.2,
+Algorithm 3), the local step as split-KV flash decoding, the ring and all-gather baselines, and the
+round-robin layout of a sharded cache (RoundRobinRows).
 
 Every rank of a sequence-parallel group holds the same query (the replicated decode stream: every
 rank runs the same token through the same weights) and its own slice of the cache. Each rank
@@ -24,10 +26,12 @@ t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 
       combine="paper":  all-reduce MAX of lse, then SUM of numerators and SUM of denominators;
       combine="packed": all-reduce MAX, then one SUM of [numerator | denominator];
       combine="gather": one all-gather of [out | lse], then each rank merges in rank order.
-      "gather" is the default: one collective; on 2 H200s the three are within a few µs of each
-      other (scripts/bench_tree.py), all far below the local attention at long contexts.
+      "gather" is the default: one collective; the three cost about the same (scripts/bench_tree.py),
+      all far below the local attention at long contexts.
   merge_states(out, lse) -> merge of partial states stacked along dim 0, on one device.
   ring_decode / allgather_decode: the baselines (move K/V instead of states), same signature.
+  RoundRobinRows: the rows of a sharded cache (model/gpt.py's KVCache, kernels.castle.CastleCache).
+  Internal API (tests and scripts/bench_tree.py): attn_partial_triton, all_gather.
 
 bias is any additive per-(query, key) logit term, broadcastable to (B, Hq, n, t), -inf excludes
 a key. It covers every attention variant of this repo, because each variant's logit for a cached
@@ -39,11 +43,11 @@ position is computed from that position's own cached data and the replicated que
              cancels in the softmax (the returned lse then lacks +c_i). model/gpt.py computes c on
              the replicated token stream; sharded_cumsum builds it when each rank only holds its
              own gates. Rebase c by subtracting the same constant on all ranks.
-  CASTLE     every rank first adds the new token's term to the lookahead keys of its own rows
-             (castle_update), the owner appends (u=0, q^U, k^C, v^C), then
-             bias_local=castle_bias(qc, u_local, scale=scale) = -SiLU(scale * qc.u_j), with q, k, v
-             the causal qc, kc, vc. Holds for CASTLE-SWL (window on global positions); n = 1 only,
-             since each query of a chunk would see a different U.
+  CASTLE     every rank first adds the new token's term to the lookahead keys of its own rows, the
+             owner appends (u=0, q^U, k^C, v^C), then bias_local = -SiLU(scale * qc.u_j), with q, k, v
+             the causal qc, kc, vc (kernels.castle.CastleCache with a group does all of it). Holds for
+             CASTLE-SWL (window on global positions); n = 1 only, since each query of a chunk would see
+             a different U.
 Whatever acts on a head's output (FoX-Pro output norm and gate, W_O) goes after the merge.
 
 Model code, one decode step of a layer on every rank of the sequence-parallel group `sp`:
@@ -57,11 +61,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the torch path still works
-    triton = None
+from kernels.triton_utils import padded_head_dim, tl, triton
 
 NEG = -1e30  # finite "log 0": exp(NEG - x) is exactly 0, where exp(-inf - -inf) would be NaN
 COMBINES = ("paper", "packed", "gather")
@@ -75,7 +75,7 @@ def _world(group):
     return dist.get_world_size(group)
 
 
-def _all_gather(x, group):
+def all_gather(x, group):
     """(p, *x.shape): every rank's x, in rank order (one all-gather)."""
     out = x.new_empty((_world(group) * x.shape[0],) + x.shape[1:])
     _gather_into(out, x.detach().contiguous(), group=group)   # decode is forward-only
@@ -108,7 +108,7 @@ def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto"):
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton is not None and stat == torch.float32 else "torch"
     if impl == "triton":
-        return _attn_partial_triton(q, k, v, scale, bias)
+        return attn_partial_triton(q, k, v, scale, bias)
     return _attn_partial_torch(q, k, v, scale, bias, stat)
 
 
@@ -153,7 +153,7 @@ def tree_merge(out, lse, group=None, *, combine="gather"):
     if p == 1:
         return out, lse
     if combine == "gather":
-        states = _all_gather(torch.cat([out, lse.unsqueeze(-1)], -1), group)
+        states = all_gather(torch.cat([out, lse.unsqueeze(-1)], -1), group)
         return merge_states(states[..., :-1], states[..., -1])
     ref = lse.clone()
     dist.all_reduce(ref, op=dist.ReduceOp.MAX, group=group)
@@ -185,7 +185,7 @@ def tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
 
 def _blocks(q, k, v, bias, group):
     """This rank's block padded to the longest shard, plus every rank's length (one host sync)."""
-    lens = _all_gather(torch.tensor([k.shape[2]], device=k.device), group).squeeze(-1).tolist()
+    lens = all_gather(torch.tensor([k.shape[2]], device=k.device), group).squeeze(-1).tolist()
     pad = max(lens) - k.shape[2]
     block = [F.pad(k, (0, 0, 0, pad)), F.pad(v, (0, 0, 0, pad))] if pad else [k, v]
     if bias is not None:  # the bias of a key travels with the key
@@ -241,9 +241,51 @@ def allgather_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=
         return tree_decode(q, k_local, v_local, scale=scale, bias_local=bias_local, impl=impl,
                            return_lse=return_lse)
     block, lens = _blocks(q, k_local, v_local, bias_local, group)
-    gathered = [_all_gather(x, group) for x in block]
+    gathered = [all_gather(x, group) for x in block]
     states = [_attend_block(q, [g[i] for g in gathered], lens[i], scale, impl) for i in range(p)]
     return _finish(q, states, return_lse)
+
+
+# ----------------------------------------------------------------------------- sharded caches
+
+class RoundRobinRows:
+    """Which positions of a cache split along the sequence axis over a process group this rank holds:
+    global position j lives on rank j % p in its local row j // p. Prefill chunks and decode steps then
+    spread evenly over the ranks, and the shards never differ by more than one position (a decode step
+    waits for the largest). Without a group (or with one rank) row j is position j.
+
+    A cache subclasses this and keeps `length`, the positions of all ranks (the same on every rank)."""
+
+    def __init__(self, group, device):
+        self.group = group
+        self.world = dist.get_world_size(group) if group is not None else 1
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.device = device
+        self.length = 0
+
+    def max_rows(self, positions):
+        """Local rows the rank holding the most of `positions` positions needs."""
+        return -(-positions // self.world)
+
+    def owns(self, pos):
+        return pos % self.world == self.rank
+
+    def rows_before(self, pos):
+        """How many local rows hold positions < pos (= the local row of the first position >= pos)."""
+        return max(0, (pos - self.rank + self.world - 1) // self.world)
+
+    @property
+    def n_local(self):
+        return self.rows_before(self.length)
+
+    def local_rows(self, start, T):
+        """The positions start .. start + T - 1 held here: (strided slice of the chunk, local rows)."""
+        return (slice((self.rank - start) % self.world, None, self.world),
+                slice(self.rows_before(start), self.rows_before(start + T)))
+
+    def key_positions(self, first_row=0):
+        """Global positions of the local rows first_row .. n_local - 1."""
+        return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.device)
 
 
 # ----------------------------------------------------------------------------- variant logits
@@ -277,45 +319,9 @@ def sharded_cumsum(x_local, group=None):
     if _world(group) == 1:
         return c.to(x_local.dtype)
     total = c[..., -1] if c.shape[-1] else c.new_zeros(c.shape[:-1])
-    totals = _all_gather(total, group)
+    totals = all_gather(total, group)
     offset = totals[: dist.get_rank(group)].sum(0)
     return (c + offset.unsqueeze(-1)).to(x_local.dtype)
-
-
-def castle_update(u_local, qu_local, ku, vu, *, pos, k_pos=None, window=None, scale=None):
-    """CASTLE's lookahead-key update for the new token at global position `pos`, on this rank's
-    rows only (castle.md §4.1, eq 13): u_s += sigmoid(scale q^U_s.k^U_pos) v^U_pos for cached
-    positions s < pos (CASTLE-SWL: also s >= pos - window). In place; returns u_local.
-
-    u_local, qu_local (B, H, t, D); ku, vu (B, H, 1, D) of the new token; k_pos (t,) or (B, t)
-    global positions of the local rows (needed with a window; negative = empty slot).
-    Call it on every rank before appending the new row and before castle_bias.
-    """
-    scale = qu_local.shape[-1] ** -0.5 if scale is None else scale
-    ct = _at_least_fp32(qu_local.dtype)
-    w = torch.sigmoid(scale * (qu_local.to(ct) @ ku.to(ct).transpose(-1, -2)))  # (B, H, t, 1)
-    if k_pos is not None:
-        ok = (k_pos >= 0) & (k_pos < pos)
-        if window is not None:
-            ok &= k_pos >= pos - window
-        w = w * ok.unsqueeze(-1).unsqueeze(-3 if ok.dim() == 2 else 0)
-    else:
-        assert window is None, "a window needs the global positions k_pos"
-    return u_local.add_((w * vu.to(ct)).to(u_local.dtype))
-
-
-def castle_bias(qc, u_local, *, scale=None):
-    """CASTLE's per-key logit term -SiLU(scale q^C.u_s) (castle.md §1.4): qc (B, H, n, D) and the
-    local lookahead keys u_local (B, H, t, D) -> (B, H, n, t).
-    Add it to the causal logits scale q^C.k^C_s by passing it as bias_local with q=qc."""
-    scale = qc.shape[-1] ** -0.5 if scale is None else scale
-    ct = _at_least_fp32(qc.dtype)
-    return -F.silu(scale * (qc.to(ct) @ u_local.to(ct).transpose(-1, -2)))
-
-
-def _at_least_fp32(dtype):
-    """fp32 for 16-bit inputs, fp64 stays fp64 (the tests' exact references)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 # ----------------------------------------------------------------------------- Triton kernel
@@ -346,7 +352,7 @@ if triton is not None:
         m_i = tl.full([BLOCK_M], _NEG, tl.float32)  # finite start: all-masked tiles give p = 0
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for it in range(TILES):  # constexpr trip count (see _attn_partial_triton)
+        for it in range(TILES):  # constexpr trip count (see attn_partial_triton)
             j = (split * TILES + it) * BLOCK_N + tl.arange(0, BLOCK_N)
             j_ok = j < L
             kv_mask = j_ok[:, None] & d_ok[None, :]
@@ -376,17 +382,17 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def _attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4,
-                         num_stages=3):
+def attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4,
+                        num_stages=3):
+    """attn_partial's Triton path, with the launch's knobs open (tests and scripts/bench_tree.py --sweep)."""
     B, Hq, n, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     rows = Hq // Hkv * n
     BLOCK_M = min(64, max(16, triton.next_power_of_2(rows)))
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    # the tiles the GPU tests validated; block_n=128 read 4.55 vs 3.87 TB/s for 16-bit caches in
-    # scripts/bench_tree.py --sweep on an H200 but awaits its GPU correctness run
+    BLOCK_D = padded_head_dim(D)
+    # the tiles the GPU tests validated (scripts/bench_tree.py --sweep times others)
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
     m_blocks = triton.cdiv(rows, BLOCK_M)
     tiles = triton.cdiv(L, BLOCK_N)

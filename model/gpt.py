@@ -20,10 +20,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.castle import castle_attn, castle_decode, castle_prefill
+from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
 from kernels.sdpa import decode_sdpa
-from kernels.tree import castle_bias, castle_update, fox_bias, mask_bias, tree_decode
+from kernels.tree import RoundRobinRows, fox_bias, mask_bias, tree_decode
 
 
 @dataclass
@@ -49,14 +49,14 @@ class GPTConfig:
     dropout: float = 0.0
     init_std: float = 0.02
     scaled_residual_init: bool = True   # GPT-2's std / sqrt(2 n_layer) on residual outputs (FoX: off)
-    # CASTLE / CASTLE-SWL (castle.md)
+    # CASTLE / CASTLE-SWL (arXiv:2509.07301)
     castle_window: int | None = None    # W of CASTLE-SWL (attention=castle_swl)
-    castle_rope: str = "qk"             # rotated: "causal" q^C,k^C (R1) | "qk" + q^U,k^U (R2) | "qkv" + v^U (R3)
+    castle_rope: str = "qk"             # RoPE on "causal" q^C,k^C | "qk" + q^U,k^U | "qkv" + v^U (paper: unstated)
     castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
-    # Forgetting Transformer and the Pro block (fox.md §2)
-    fgate_bias_init: float = 0.0        # forget-gate bias at init (fox.md §2.7)
+    # Forgetting Transformer and the Pro block (arXiv:2503.02130 §3, App. A)
+    fgate_bias_init: float = 0.0        # forget-gate bias at init (FoX: 0, App. D)
     qk_norm: bool = False               # per-head RMSNorm of q and k (Pro)
-    qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs
+    qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs (App. A, fn. 4)
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
     output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
@@ -194,49 +194,33 @@ def register_attention(name):
     return register
 
 
-class KVCache:
+class KVCache(RoundRobinRows):
     """Preallocated keys/values (B, H, rows, D) plus how many positions are filled.
 
     With a process `group` of p > 1 ranks this is one rank's share of a cache split along the
-    sequence axis, round robin: global position j is stored by rank j % p in its local row j // p.
-    Every rank allocates ceil(max_len / p) rows, the shards never differ by more than one position
-    (a decode step waits for the largest shard), and every prefill chunk is spread evenly. `length`
+    sequence axis, round robin (kernels/tree.py's RoundRobinRows: global position j is stored by
+    rank j % p in its local row j // p); every rank allocates ceil(max_len / p) rows. `length`
     counts the positions of all ranks (the same on every rank). Without a group row j is position j.
     """
 
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
-        self.group = group
-        self.world = dist.get_world_size(group) if group is not None else 1
-        self.rank = dist.get_rank(group) if group is not None else 0
+        super().__init__(group, device)
         self.max_len = max_len
-        rows = -(-max_len // self.world)
+        rows = self.max_rows(max_len)
         self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
-        self.length = 0
-
-    def rows_before(self, pos):
-        """How many local rows hold positions < pos (= the local row of the first position >= pos)."""
-        return len(range(self.rank, max(pos, 0), self.world))
 
     @property
-    def n_local(self):
-        return self.rows_before(self.length)
-
-    def key_positions(self, first_row=0):
-        """Global positions of the local rows first_row .. n_local - 1."""
-        return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.k.device)
-
-    def _rows(self, start, T):
-        """The positions start .. start + T - 1 stored here: (strided slice of the chunk, local rows)."""
-        return (slice((self.rank - start) % self.world, None, self.world),
-                slice(self.rows_before(start), self.rows_before(start + T)))
+    def capacity(self):
+        """Local rows allocated."""
+        return self.k.size(2)
 
     def store(self, **new):
         """Append T positions: each named buffer gets this rank's share of its (B, H, T, ...) tensor."""
         T = next(iter(new.values())).size(2)
         if self.length + T > self.max_len:
             raise RuntimeError(f"KV cache overflow: {self.length + T} positions > capacity {self.max_len}")
-        chunk, rows = self._rows(self.length, T)
+        chunk, rows = self.local_rows(self.length, T)
         for name, x in new.items():
             getattr(self, name)[:, :, rows] = x[:, :, chunk]
         self.length += T
@@ -280,7 +264,8 @@ class HeadRMSNorm(nn.Module):
 
 
 def token_shift(x, alpha, prev):
-    """KV-shift (fox.md eq 17/19): alpha_t * x_{t-1} + (1 - alpha_t) * x_t, in alpha's dtype (>= fp32).
+    """KV-shift (FoX, arXiv:2503.02130 App. A, eqs (17), (19)): alpha_t * x_{t-1} + (1 - alpha_t) * x_t,
+    in alpha's dtype (>= fp32).
 
     x (B, H, T, D); alpha (B, H, T, 1); prev (B, H, 1, D) is x_0 (zeros at the sequence start).
     """
@@ -306,7 +291,7 @@ class SoftmaxCache(KVCache):
         T = log_fgate.size(-1)
         c = fgate_cumsum(log_fgate, self.c_last)
         self.c_last = c[..., -1:].clone()
-        chunk, rows = self._rows(self.length - T, T)
+        chunk, rows = self.local_rows(self.length - T, T)
         self.log_fgate_cumsum[:, :, rows] = c[:, :, chunk]
         return self.log_fgate_cumsum[:, :, :self.n_local]
 
@@ -314,8 +299,8 @@ class SoftmaxCache(KVCache):
 class SoftmaxAttention(nn.Module):
     """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block.
 
-    Order inside the layer (fox.md §2.4): projections -> KV-shift -> QK-norm -> RoPE ->
-    forget gate -> attention -> per-head output norm * output gate -> output projection.
+    Order inside the layer (FoX, arXiv:2503.02130 App. A, eqs (15)-(23)): projections -> KV-shift ->
+    QK-norm -> RoPE -> forget gate -> attention -> per-head output norm * output gate -> output projection.
     """
 
     def __init__(self, config, forget_gate):
@@ -382,9 +367,9 @@ class SoftmaxAttention(nn.Module):
         dropout = self.dropout if self.training else 0.0
         if fresh:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-        # One new query sees every cached key: no mask, so SDPA can take FlashAttention's split-KV decode. With
-        # the (all-true) mask it took a kernel parallel over queries only: a 4-layer model (d 2048, 16 heads)
-        # decoded at 22.2 ms/token over 128K cached tokens instead of 1.54 (H200, CUDA graph; 32K: 5.98, 0.80).
+        # One new query sees every cached key: no mask, so SDPA can take FlashAttention's split-KV decode. Given
+        # the (all-true) mask it takes a kernel parallel over queries only, which leaves most of the GPU idle for a
+        # single query over a long cache.
         mask = cached_causal_mask(T, k.size(2), q.device) if T > 1 else None
         return decode_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout)
 
@@ -423,27 +408,8 @@ register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_ga
 register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
 
 
-class CastleLayerCache:
-    """Holds the UQ-KV cache of kernels.castle (None until the prompt is prefilled), sized for
-    max_len positions so that decoding never reallocates it."""
-
-    def __init__(self, max_len):
-        self.state = None
-        self.max_len = max_len
-
-
-class ShardedCastleCache(KVCache):
-    """CASTLE's UQ-KV cache split over the ranks of a group like KVCache (round robin): k, v hold
-    K^C, V^C, plus the lookahead keys U (fp32; fp64 for fp64) and queries Q^U of the rows held here."""
-
-    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group):
-        super().__init__(batch_size, n_head, max_len, head_dim, device, dtype, group)
-        self.u = torch.zeros_like(self.k, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-        self.qu = torch.zeros_like(self.k)
-
-
 class CastleAttention(nn.Module):
-    """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (castle.md). Six projections per
+    """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (arXiv:2509.07301). Six projections per
     head and W_O: 7 n_head d d_model parameters."""
 
     def __init__(self, config, window):
@@ -464,42 +430,20 @@ class CastleAttention(nn.Module):
             vu = apply_rope(vu, rope)
         if cache is None:
             y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window)
-        elif isinstance(cache, ShardedCastleCache):   # one position at a time, prompt included
-            y = torch.cat([self.decode_sharded(cache, *(z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)))
-                           for t in range(x.size(1))], dim=2)
-        elif cache.state is None:
-            y, cache.state = castle_prefill(qc, kc, vc, qu, ku, vu, window=self.window,
-                                            max_len=cache.max_len)
+        elif cache.length == 0 and cache.group is None:   # a prompt: one pass (a sharded cache steps through it)
+            y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)
         else:                                # one position at a time through the UQ-KV cache
-            steps = []
-            for t in range(x.size(1)):
-                one = [z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)]
-                y_t, cache.state = castle_decode(cache.state, *one)
-                steps.append(y_t)
-            y = torch.cat(steps, dim=2)
+            y = torch.cat([castle_decode(cache, *(z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)))[0]
+                           for t in range(x.size(1))], dim=2)
         return self.out(merge_heads(y))
 
-    def decode_sharded(self, cache, qc, kc, vc, qu, ku, vu):
-        """One new position, on every rank (tree_attention.md §9.2): each rank adds the token's
-        term to the lookahead keys of its own rows (SWL: those within the window), the owner
-        stores (u = 0, q^U, k^C, v^C), then tree attention with the per-row bias -SiLU(q^C.u_s)."""
-        pos, n = cache.length, cache.n_local
-        lo = 0 if self.window is None else cache.rows_before(pos - self.window)
-        castle_update(cache.u[:, :, lo:n], cache.qu[:, :, lo:n], ku, vu, pos=pos,
-                      k_pos=None if self.window is None else cache.key_positions(lo), window=self.window)
-        cache.store(k=kc, v=vc, qu=qu)
-        n = cache.n_local
-        return tree_decode(qc, cache.k[:, :, :n], cache.v[:, :, :n], group=cache.group,
-                           bias_local=castle_bias(qc, cache.u[:, :, :n]))
-
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
-        if group is not None:
-            return ShardedCastleCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
-        return CastleLayerCache(max_len)
+        return CastleCache(batch_size, self.n_head, self.head_dim, max_len=max_len, dtype=dtype, device=device,
+                           window=self.window, group=group)
 
     def flops_per_token(self, seq_len):
-        # castle.md §3.7: ~4x FlashAttention's FLOPs per (query, key) pair inside the lookahead window,
-        # ~1.5x outside it (SWL)
+        # The block algorithm (arXiv:2509.07301 App. 8) takes 8 block matmuls per (query, key) tile pair inside
+        # the lookahead window, 3 outside it (SWL), against FlashAttention's 2: ~4x and ~1.5x its FLOPs
         inside = keys_per_query(seq_len, self.window)
         return 12 * self.n_head * self.head_dim * (4 * inside + 1.5 * (keys_per_query(seq_len) - inside))
 

@@ -1,22 +1,22 @@
 """Side-by-side timings of CASTLE implementations on one GPU, with causal FlashAttention (SDPA) as yardstick.
 
-    python scripts/bench_castle.py --L 2048 --D 64 --B 8 --H 16 --dtype bf16 [--window 512] [--sweep]
+    python -m scripts.bench_castle --L 2048 --D 64 --B 8 --H 16 --dtype bf16 [--window 512] [--sweep]
 
-Rows: our Triton kernels (kernels/castle.py), the materialised parallel form (impl="torch", O(L^3); in fp32
+Rows: our Triton kernels (kernels/castle/), the materialised parallel form (impl="torch", O(L^3); in fp32
 and, for 16-bit inputs, under autocast: 16-bit cuBLAS matmuls),
 the blockwise PyTorch path (impl="blockwise"), the PyPI peer `lookahead-keys-attention` when importable,
 and SDPA causal attention at the same shape. Times are medians of CUDA-event timings after warm-up
-(triton.testing.do_bench). TFLOP/s use the spec's count (castle.md §3.7): the block algorithm spends
-~16 B^2 d FLOPs per block pair forward, i.e. 8 L^2 d per head over the causal half (4x FlashAttention's
-2 L^2 d); the backward, counted from Algorithm 3 (spec §3.5: 24 block matmuls per pair), 24 L^2 d.
+(triton.testing.do_bench). TFLOP/s count the block algorithm's FLOPs (CASTLE arXiv:2509.07301 App. 8):
+8 block matmuls, ~16 B^2 d FLOPs per block pair forward, i.e. 8 L^2 d per head over the causal half (4x
+FlashAttention's 2 L^2 d); the backward, counted from Algorithm 3 (24 block matmuls per pair), 24 L^2 d.
 For SWL the same dense count is used (an "effective" rate). --sweep times the Triton kernels over tile
 configs instead: every backward variant (CASTLE_BWD_VARIANT) x backward tile, and with --sweep-fwd the
-forward tiles; the default variant and tiles are those of kernels/castle.py.
+forward tiles; the default variant and tiles are those of kernels/castle/triton.py.
 
 --decode times one decode step per token instead, on a GPU both castle_decode paths (the fused kernel and
 the PyTorch ops) against a KV-cache step (runs on CPU too, PyTorch ops only; see decode_bench):
 
-    python scripts/bench_castle.py --decode --contexts 4096,32768 --windows none,512 --B 1 --H 16 --D 64
+    python -m scripts.bench_castle --decode --contexts 4096,32768 --windows none,512 --B 1 --H 16 --D 64
 """
 import argparse
 import concurrent.futures
@@ -29,16 +29,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    from triton.testing import do_bench
-except ImportError:  # --decode runs without triton (CPU)
-    triton = None
+from kernels.castle import CastleCache, castle_attn, castle_decode
+from kernels.castle.op import attn_triton
+from kernels.castle.triton import BWD_VARIANTS, TritonConfig, default_config
+from kernels.sdpa import decode_sdpa
+from kernels.triton_utils import at_least_fp32, padded_head_dim, triton
 
-sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
-from kernels import castle  # noqa: E402
-from kernels.castle import TritonConfig, castle_attn, castle_decode, castle_prefill  # noqa: E402
-from kernels.sdpa import decode_sdpa  # noqa: E402
+if triton is not None:  # --decode runs without triton (CPU)
+    from triton.testing import do_bench
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -115,9 +113,9 @@ BWD_TILES = {64: [(64, 32, 4, 1), (32, 32, 4, 1), (32, 16, 4, 1), (64, 64, 4, 1)
 
 
 def sweep_configs(D, dtype, variants, fwd_tiles):
-    """Backward tiles x backward variants (kernels/castle.py BWD_VARIANTS) with the default forward;
-    with fwd_tiles also the forward tiles with the default backward."""
-    default = castle._default_config(castle._block_d(D), dtype)
+    """Backward tiles x backward variants (BWD_VARIANTS) with the default forward; with fwd_tiles also the
+    forward tiles with the default backward."""
+    default = default_config(padded_head_dim(D), dtype)
     d = 64 if D <= 64 else 128
     cfgs = [dataclasses.replace(default, m_bwd=m, n_bwd=n, warps_bwd=w, stages_bwd=st, bwd_variant=v)
             for v in variants for m, n, w, st in BWD_TILES[d] if default.m_fwd % m == 0]
@@ -131,7 +129,7 @@ def _compile(cfg, H, L, D, dtype, window):
     """Run one config once on a one-sequence batch: fills Triton's disk cache (same specialisation)."""
     try:
         xs = [torch.randn(1, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(6)]
-        castle._attn_triton(*xs, window, D ** -0.5, cfg).sum().backward()
+        attn_triton(*xs, window, D ** -0.5, cfg).sum().backward()
         torch.cuda.synchronize()
         return None
     except Exception as e:  # noqa: BLE001 (reported by the timing pass)
@@ -141,7 +139,7 @@ def _compile(cfg, H, L, D, dtype, window):
 def sweep(args, xs, scale):
     """Time the Triton kernels over backward variants x tile configs (and, with --sweep-fwd, forward
     tiles). Configs compile in parallel processes first. "bwd ms" = fwd+bwd - fwd."""
-    variants = args.variants.split(",") if args.variants else castle.BWD_VARIANTS
+    variants = args.variants.split(",") if args.variants else BWD_VARIANTS
     cfgs = sweep_configs(args.D, xs[0].dtype, variants, args.sweep_fwd)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
@@ -153,7 +151,7 @@ def sweep(args, xs, scale):
     ref = [ref.detach(), *torch.autograd.grad(ref, xs32, go.float())]
     rows = []
     for cfg in cfgs:
-        fn = lambda: castle._attn_triton(*xs, args.window, scale, cfg)  # noqa: E731
+        fn = lambda: attn_triton(*xs, args.window, scale, cfg)  # noqa: E731
         try:
             out = fn()
             got = [out, *torch.autograd.grad(out, xs, go)]
@@ -174,12 +172,11 @@ def sweep(args, xs, scale):
 def castle_cache(B, H, T, D, window, dtype, device, room):
     """A UQ-KV cache holding T positions of random values (the timing does not depend on them), with
     room for `room` more before a buffer grows (so the timed steps never reallocate)."""
-    empty = [torch.empty(B, H, 0, D, dtype=dtype, device=device) for _ in range(6)]
-    _, cache = castle_prefill(*empty, window=window, max_len=T + room)
-    for buf in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf):
-        buf.normal_()
-    cache.length, cache.qu_end = T, cache.owners(T)
-    cache.u_buf[..., T - 1, :] = 0                                  # u_{T-1} = 0 (spec §4.1)
+    cache = CastleCache(B, H, D, max_len=T + room, dtype=dtype, device=device, window=window)
+    cdt = at_least_fp32(dtype)
+    u, qu, kc, vc = (torch.randn(B, H, T, D, dtype=dt, device=device) for dt in (cdt, dtype, dtype, dtype))
+    u[..., T - 1, :] = 0                                            # u_{T-1} = 0 (eq (13))
+    cache.extend(u, qu, kc, vc)
     return cache
 
 

@@ -1,4 +1,4 @@
-"""Benchmark Forgetting Attention (kernels/forgetting.py) against its peers on one GPU.
+"""Benchmark Forgetting Attention (kernels/forgetting/) against its peers on one GPU.
 
 Side by side, median CUDA-event timings (triton.testing.do_bench) of the forward and of
 forward+backward for:
@@ -9,21 +9,20 @@ forward+backward for:
     in fp32 (a captured tensor that requires grad: flex's backward scatters its gradient);
   - SDPA causal with the FlashAttention backend: plain attention, no gate, the speed yardstick;
   - SDPA causal with the cuDNN backend, when it runs here: on Hopper faster than FlashAttention-2
-    (1.5-1.7x on an H100, README) and SDPA's default there (torch 2.11).
+    and SDPA's default there.
 TFLOP/s count the causal matmul FLOPs only, FlashAttention's convention: forward 2*B*H*L^2*D,
 forward+backward 3.5x that, the same for every implementation.
 
-    python scripts/bench_forgetting.py --L 2048 4096 8192 16384 --D 64 128 --dtype bf16
+    python -m scripts.bench_forgetting --L 2048 4096 8192 16384 --D 64 128 --dtype bf16
 
 The default shapes are the FoX issue's: 16 heads and B*L = 16384 tokens (B8 L2048 ... B1 L16384).
 
-On an H100 one head dim over the four lengths takes about 2-3 minutes (compilation and
-autotuning of every implementation included); `--show-tuning` prints every config's time.
+One head dim over the four lengths takes minutes (compilation and autotuning of every
+implementation included); `--show-tuning` prints every config's time.
 """
 import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,8 +30,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import forgetting  # noqa: E402
+from kernels import forgetting
+from kernels.forgetting.triton import bwd_tuned, fwd_tuned
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OURS, REF, FLA, FLEX, SDPA, CUDNN = (
@@ -148,7 +147,7 @@ def bench_shape(B, H, L, D, dtype, fla):
 def tuning_report(shape):
     """Median ms of every config the autotuners tried for the latest new shape."""
     lines = []
-    for name, tuner in (("fwd", forgetting._fwd_tuned), ("bwd", forgetting._bwd_tuned)):
+    for name, tuner in (("fwd", fwd_tuned), ("bwd", bwd_tuned)):
         timings = sorted(getattr(tuner, "configs_timings", {}).items(), key=lambda kv: kv[1][0])
         lines += [f"tuning {shape} {name}: {t[0]:.3f} ms  {cfg}" for cfg, t in timings]
     return lines
@@ -188,7 +187,7 @@ def main():
             notes += tuning_report(f"L={L} D={D}") if args.show_tuning else []
             print("\n".join(notes), file=sys.stderr, flush=True)
     print()
-    for name, tuner in (("forward", forgetting._fwd_tuned), ("backward", forgetting._bwd_tuned)):
+    for name, tuner in (("forward", fwd_tuned), ("backward", bwd_tuned)):
         for key, cfg in tuner.cache.items():
             print(f"autotuned {name} {key}: {cfg}")
 

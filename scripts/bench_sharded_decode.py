@@ -10,8 +10,8 @@ layer's cache is split round robin over the ranks and attention merges exactly (
 kernels/tree.py): the same path as `torchrun ... sample.py sharded=true`.
 
 No prefill: every layer's cache is filled directly with `ctx` random positions (`fill_cache`),
-written through the cache objects' own `store()` at their global positions, so the layout is the
-real one. Random values are drawn per chunk of global positions, the same on every rank and for
+written through the cache objects' own `store()` (CASTLE: `extend()`) at their global positions, so
+the layout is the real one. Random values are drawn per chunk of global positions, the same on every rank and for
 every world size (each rank keeps its share), so a filled cache holds the same sequence whatever
 N is. FoX gets a random cumulative log forget gate c, CASTLE random U and Q^U. `--check M` first
 verifies the filling: a real single-device prefill of M random tokens, then a sharded cache filled
@@ -38,15 +38,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from kernels import castle
-from model.gpt import (
-    GPT,
-    CastleAttention,
-    CastleLayerCache,
-    GPTConfig,
-    ShardedCastleCache,
-    SoftmaxCache,
-)
+from kernels.castle import CastleCache
+from model.gpt import GPT, CastleAttention, GPTConfig, SoftmaxCache
 from model.runtime import Dist, choose_device, choose_dtype
 
 VARIANTS = ("baseline", "fox", "castle", "castle_swl")
@@ -111,12 +104,14 @@ def variant_name(config):
 #   CASTLE:         k, v (= K^C, V^C), qu (Q^U) and u (the lookahead keys U).
 # plus a stream dict of what the replicated stream carries (FoX-Pro: the last raw key and value).
 
-def fill_layer(attn, layer, chunks, ctx, stream=None, max_len=None):
-    """Append `ctx` positions, given as chunks, to one empty layer cache (sharded or not).
-    max_len: room for the single-device CASTLE state (the other caches are preallocated)."""
-    if isinstance(layer, CastleLayerCache):  # the single-device UQ-KV state of kernels.castle
-        return fill_castle_state(attn, layer, chunks, ctx, max_len)
-    assert isinstance(layer, (SoftmaxCache, ShardedCastleCache)) and layer.length == 0, type(layer)
+def fill_layer(layer, chunks, ctx, stream=None):
+    """Append `ctx` positions, given as chunks, to one empty layer cache (sharded or not)."""
+    assert isinstance(layer, (SoftmaxCache, CastleCache)) and layer.length == 0, type(layer)
+    if isinstance(layer, CastleCache):  # kernels.castle's UQ-KV cache keeps this rank's rows itself
+        for chunk in chunks:
+            layer.extend(chunk["u"], chunk["qu"], chunk["k"], chunk["v"])
+        assert layer.length == ctx, (layer.length, ctx)
+        return
     rename = {"c": "log_fgate_cumsum"}
     c_last = None
     for chunk in chunks:
@@ -130,36 +125,13 @@ def fill_layer(attn, layer, chunks, ctx, stream=None, max_len=None):
         setattr(layer, name, x.clone())
 
 
-def fill_castle_state(attn, layer, chunks, ctx, max_len=None):
-    """Single-device CASTLE (no group): the UQ-KV state of kernels.castle that castle_prefill would
-    have left after ctx positions, packaged by the kernel's own constructor, with room for max_len
-    positions (else its buffers double at the first decode step)."""
-    full, start = {}, 0
-    for chunk in chunks:
-        T = chunk["k"].size(2)
-        if not full:
-            full = {name: x.new_empty(x.shape[:2] + (ctx,) + x.shape[3:]) for name, x in chunk.items()}
-        for name, x in chunk.items():
-            full[name][:, :, start:start + T] = x
-        start += T
-    assert start == ctx, (start, ctx)
-    layer.state = castle_state(full["u"], full["qu"], full["k"], full["v"], attn.window,
-                               attn.head_dim ** -0.5, getattr(layer, "max_len", max_len))
-
-
-def castle_state(u, qu, kc, vc, window, scale, max_len=None):
-    """kernels.castle's cache from whole (B, H, L, D) tensors, as castle_prefill packages its own."""
-    return castle.castle_cache_from(u, qu, kc, vc, window, scale, max_len)
-
-
-def fill_cache(model, cache, ctx, source, max_len=None):
+def fill_cache(model, cache, ctx, source):
     """Fill every layer of a fresh InferenceCache (GPT.new_cache, sharded or not) with positions
-    0 .. ctx - 1; source(i, attn) -> (chunks, stream) of layer i. The next token is position ctx.
-    max_len: as given to new_cache (the single-device CASTLE state is sized when filled)."""
+    0 .. ctx - 1; source(i, attn) -> (chunks, stream) of layer i. The next token is position ctx."""
     assert cache.pos == 0, "fill an empty cache"
     for i, (block, layer) in enumerate(zip(model.blocks, cache.layers, strict=True)):
         chunks, stream = source(i, block.attn)
-        fill_layer(block.attn, layer, chunks, ctx, stream, max_len)
+        fill_layer(layer, chunks, ctx, stream)
     cache.pos = ctx
 
 
@@ -214,11 +186,10 @@ def contents_source(cache):
     the last W rows of Q^U (the only ones read again); older rows are given as zeros."""
     def source(i, attn):
         layer = cache.layers[i]
-        if isinstance(layer, CastleLayerCache):
-            s = layer.state
-            qu = torch.zeros_like(s.kc)   # rows before the last W (SWL) are never read again
-            qu[:, :, s.length - s.qu.size(2):] = s.qu
-            return [dict(k=s.kc, v=s.vc, qu=qu, u=s.u)], None
+        if isinstance(layer, CastleCache):
+            qu = torch.zeros_like(layer.kc)   # rows before the last W (SWL) are never read again
+            qu[:, :, layer.length - layer.qu.size(2):] = layer.qu
+            return [dict(k=layer.kc, v=layer.vc, qu=qu, u=layer.u)], None
         n = layer.length
         chunk = dict(k=layer.k[:, :, :n], v=layer.v[:, :, :n])
         if attn.fgate is not None:
@@ -233,10 +204,7 @@ def cache_bytes(cache):
     """Bytes of the cache tensors this rank holds."""
     total = 0
     for layer in cache.layers:
-        held = [layer.state] if isinstance(layer, CastleLayerCache) else [layer]
-        for obj in held:
-            total += sum(x.numel() * x.element_size() for x in vars(obj).values()
-                         if isinstance(x, torch.Tensor))
+        total += sum(x.numel() * x.element_size() for x in vars(layer).values() if isinstance(x, torch.Tensor))
     return total
 
 
@@ -317,7 +285,7 @@ def check_fill(model, args, group, device):
     ref = model.new_cache(B, M + n)
     logits_ref = [model(prompt, cache=ref, last_only=True)[0][:, -1]]
     filled = model.new_cache(B, M + n, group=group)
-    fill_cache(model, filled, M, contents_source(ref), M + n)
+    fill_cache(model, filled, M, contents_source(ref))
     logits_got = []
     for _ in range(n):
         token = logits_ref[-1].argmax(-1, keepdim=True)
@@ -351,7 +319,7 @@ def run_row(model, args, ctx, group, device, dtype, graphs):
     cache = None
     try:
         cache = model.new_cache(args.batch, max_len, device, dtype, group=group)
-        fill_cache(model, cache, ctx, random_source(args.batch, ctx, device, dtype, args.seed), max_len)
+        fill_cache(model, cache, ctx, random_source(args.batch, ctx, device, dtype, args.seed))
         model._rope(ctx, max_len - ctx, device)  # grow the RoPE tables now, not inside a step
         short = 0.0
     except torch.OutOfMemoryError:  # filling is local: no rank waits in a collective

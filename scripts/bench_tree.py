@@ -1,8 +1,8 @@
 """Decode-step latency of one attention layer against a KV cache sharded over p GPUs.
 
-    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 scripts/bench_tree.py --ctx 131072,1048576
+    NCCL_NVLS_ENABLE=0 torchrun --nproc_per_node=2 -m scripts.bench_tree --ctx 131072,1048576
 
-Methods (tree_attention.md §11), one decode query per sequence, random bf16 cache made on the GPU:
+Methods (Tree Attention, arXiv:2408.04093 §6), one decode query per sequence, random bf16 cache made on the GPU:
   single/sdpa    one GPU holds the whole cache; F.scaled_dot_product_attention (the peer)
   single/kernel  one GPU holds the whole cache; attn_partial (our split-KV Triton kernel)
   local          attn_partial over one shard only: the compute part of tree decoding
@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from kernels import tree  # noqa: E402
+from kernels import tree
 
 
 def parse():
@@ -171,7 +170,7 @@ def run_ctx(args, N, graphs, rows):
         gqa = args.heads != args.kv_heads
         row("single/sdpa", 1, lambda: F.scaled_dot_product_attention(q, *full, enable_gqa=gqa),
             everywhere=False)
-        if not graphs:  # correctness on the real sizes (bf16 tolerance, tree_attention.md §10.2)
+        if not graphs:  # correctness on the real sizes (bf16 tolerance)
             ref = tree.attn_partial(q.float(), *(x.float() for x in full), impl="torch")[0] \
                 if N <= 1 << 20 else tree.attn_partial(q, *full)[0]
             sdpa = F.scaled_dot_product_attention(q, *full, enable_gqa=gqa)
@@ -196,7 +195,7 @@ def sweep(args, rows):
         splits = -(-splits_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                    // (args.batch * args.kv_heads))
         kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)
-        med, p10, p90 = timed(lambda kw=kw: tree._attn_partial_triton(q, k, v, args.dim ** -0.5, None, **kw),
+        med, p10, p90 = timed(lambda kw=kw: tree.attn_partial_triton(q, k, v, args.dim ** -0.5, None, **kw),
                               args, everywhere=False)
         cfg = f"BLOCK_N={block_n} warps={warps} stages={stages} splits/SM={splits_per_sm}"
         rows.append(dict(N=N // dist.get_world_size(), method="sweep", cfg=cfg, us=med,

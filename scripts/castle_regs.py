@@ -1,10 +1,10 @@
 """Registers and spills of the CASTLE Triton kernels, compiled offline for an H100 (sm_90a); no GPU needed.
 
-    python scripts/castle_regs.py                       # default tiles of each kernel, D = 64 and 128, bf16
-    python scripts/castle_regs.py --D 64 --all          # every tile config bench_castle.py --sweep times
-    python scripts/castle_regs.py --tiles 32/32/4,64/32/4 --kernels bwd --variants split,fused
+    python -m scripts.castle_regs                       # default tiles of each kernel, D = 64 and 128, bf16
+    python -m scripts.castle_regs --D 64 --all          # every tile config bench_castle --sweep times
+    python -m scripts.castle_regs --tiles 32/32/4,64/32/4 --kernels bwd --variants split,fused
 
-Backward variants are kernels/castle.py's BWD_VARIANTS (a variant may launch several kernels: one row
+Backward variants are kernels/castle/triton.py's BWD_VARIANTS (a variant may launch several kernels: one row
 each).
 
 Each kernel is compiled by triton.compile (ASTSource, GPUTarget("cuda", 90, 64)) to PTX, with the
@@ -25,10 +25,8 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 
-sys.path.insert(0, __file__.rsplit("/scripts/", 1)[0])
 os.environ.pop("TRITON_INTERPRET", None)  # we want the GPU code path of the kernels
 
 import torch  # noqa: E402
@@ -37,7 +35,8 @@ import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import castle  # noqa: E402
+from kernels.castle import triton as castle  # noqa: E402
+from kernels.triton_utils import padded_head_dim  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 64)
 DTYPES = {"bf16": (torch.bfloat16, "bf16", tl.bfloat16), "fp32": (torch.float32, "fp32", tl.float32)}
@@ -72,14 +71,14 @@ def signature(kernel, constexprs, dtype_name):
 def kernels_for(cfg, D, dtype, variants):
     """(label, jit function, constexprs, num_warps, num_stages) of the forward and the backward kernel(s)."""
     torch_dt, _, tl_dt = DTYPES[dtype]
-    block_d = castle._block_d(D)
+    block_d = padded_head_dim(D)
     scale = D ** -0.5
     # the launch's num_stages (1): cfg.stages_fwd reaches the kernel as its STAGES constexpr
-    fwd_consts = castle._fwd_constexprs(D, block_d, cfg, tl_dt, scale, L)
-    fwd = ("fwd", castle._castle_fwd_kernel, fwd_consts, cfg.warps_fwd, 1)
+    fwd_consts = castle.fwd_constexprs(D, block_d, cfg, tl_dt, scale, L)
+    fwd = ("fwd", castle.castle_fwd_kernel, fwd_consts, cfg.warps_fwd, 1)
     out = {"fwd": [fwd], "bwd": []}
     for v in variants:
-        for label, fn, consts in castle._bwd_kernels(v, D, block_d, cfg, tl_dt, scale, L):
+        for label, fn, consts in castle.bwd_kernels(v, D, block_d, cfg, tl_dt, scale, L):
             # the launch's num_stages (1): cfg.stages_bwd reaches the kernel as its SIGMA_STAGES constexpr
             out["bwd"].append((f"bwd {v}: {label}", fn, consts, cfg.warps_bwd, 1))
     return out
@@ -128,12 +127,12 @@ def main():
 
     jobs = JOBS
     for D in (int(d) for d in args.D.split(",")):
-        default_d, torch_dt = castle._block_d(D), DTYPES[args.dtype][0]
-        default = castle._default_config(default_d, torch_dt)
+        default_d, torch_dt = padded_head_dim(D), DTYPES[args.dtype][0]
+        default = castle.default_config(default_d, torch_dt)
         d = 64 if D <= 64 else 128
         tiles = lambda cfg: [(cfg.m_bwd, cfg.n_bwd, cfg.warps_bwd, cfg.stages_bwd)]  # noqa: E731
         if args.all:
-            import bench_castle  # noqa: E402 (scripts/ is on sys.path when run as a script)
+            from scripts import bench_castle
             fwd_tiles = [(m, n, w, default.stages_fwd) for m, n, w in bench_castle.FWD_TILES[d]]
             bwd_tiles = bench_castle.BWD_TILES[d]
         elif args.tiles:
@@ -147,7 +146,7 @@ def main():
                     jobs.append((D, f"{m}/{n}/{w}/{st}", *job, args.dtype))
         if "bwd" in which:
             for v in variants:
-                for m, n, w, st in bwd_tiles or tiles(castle._default_config(default_d, torch_dt, v)):
+                for m, n, w, st in bwd_tiles or tiles(castle.default_config(default_d, torch_dt, v)):
                     cfg = dataclasses.replace(default, m_bwd=m, n_bwd=n, warps_bwd=w, stages_bwd=st)
                     for job in kernels_for(cfg, D, args.dtype, [v])["bwd"]:
                         jobs.append((D, f"{m}/{n}/{w}/{st}", *job, args.dtype))

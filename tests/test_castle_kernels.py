@@ -1,7 +1,7 @@
-"""CASTLE / CASTLE-SWL kernels (kernels/castle.py) against the definitions of ../shared/spec/castle.md.
+"""CASTLE / CASTLE-SWL kernels (kernels/castle/) against the definitions of CASTLE (arXiv:2509.07301).
 
-Oracle chain: the recurrent definition (§1, explicit U^t for every t, fp64) checks the parallel form
-(§2); autograd of the parallel form (fp64) is the gradient oracle for the blockwise PyTorch path and the
+Oracle chain: the recurrent definition (§2.2, explicit U^t for every t, fp64) checks the parallel form
+(Theorem 1); autograd of the parallel form (fp64) is the gradient oracle for the blockwise PyTorch path and the
 Triton kernels. On CPU the Triton kernels run under TRITON_INTERPRET=1 on tiny shapes with 16/32-row
 tiles, so several blocks, ragged tails and window edges are all exercised, and once at L = 173 with
 the tiles a GPU uses by default; the interpreter computes the tiles in fp32 (it cannot multiply
@@ -19,8 +19,12 @@ import torch
 import torch.nn.functional as F
 import triton  # noqa: F401  (pinned in CI: a broken install must fail these tests, not skip them)
 
-from kernels import castle
-from kernels.castle import CastleCache, TritonConfig, castle_attn, castle_decode, castle_prefill
+import kernels.castle.triton as castle_triton
+from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
+from kernels.castle.op import attn_triton
+from kernels.castle.reference import attn_blockwise, blockwise_backward, blockwise_forward, to_blocks
+from kernels.castle.triton import BWD_VARIANTS, TritonConfig
+from kernels.triton_utils import interpreting, padded_head_dim
 
 TILE16 = TritonConfig(16, 16, 4, 16, 16, 4, 1)
 TILE32_16 = TritonConfig(32, 16, 4, 16, 16, 4, 1)  # row tiles of two key tiles; backward rows < forward rows
@@ -57,7 +61,7 @@ def lookahead_keys(qu, ku, vu, t, window=None, scale=None):
 
 
 def recurrent(qc, kc, vc, qu, ku, vu, window=None, scale=None):
-    """Spec §8.1 verbatim: for every t rebuild U^t from eq (3), then eqs (5)-(8). fp64, O(L^3 d)."""
+    """The recurrent definition (§2.2): for every t rebuild U^t from eq (3), then eqs (5)-(8). fp64, O(L^3 d)."""
     L, D = qc.shape[-2:]
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty_like(qc)
@@ -78,7 +82,7 @@ def _t(rows):
 
 
 def test_golden_example_1():
-    """Spec §8.2 example 1 (d = 1, L = 3)."""
+    """A worked example (d = 1, L = 3), its numbers derived from eqs (3)-(8)."""
     qc, kc, vc, qu, ku, vu = (_t(x).view(1, 1, 3, 1) for x in (
         [1, 2, 0.5], [0.5, -1, 1], [1, 2, 3], [1, -1, 2], [0, 1, -2], [2, -1, 0.5]))
     out = castle_attn(qc, kc, vc, qu, ku, vu, impl="torch").flatten()
@@ -101,7 +105,7 @@ def test_bad_calls_are_named():
 
 
 def test_golden_example_2_and_scaling():
-    """Spec §8.2 example 2 (d = 2, L = 4); d >= 2 tells the right 1/sqrt(d) placement from the wrong one."""
+    """A worked example (d = 2, L = 4); d >= 2 tells the right 1/sqrt(d) placement from the wrong one."""
     xs = [_t(x).view(1, 1, 4, 2) for x in (
         [[1, 0], [0.5, -1], [2, 1], [-1, 0.5]], [[0, 1], [1, 1], [-0.5, 2], [1, -1]],
         [[1, -1], [0, 2], [3, 0], [-2, 1]], [[1, 1], [-1, 0], [0.5, 0.5], [2, -1]],
@@ -183,21 +187,21 @@ def test_blockwise_matches_reference(L, bs, scale, window):
     go = torch.randn(2, 2, L, 5, dtype=torch.float64)
     ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, scale=scale, impl="torch"), xs, go)
     scale = 5 ** -0.5 if scale is None else scale
-    out, g = _fwd_bwd(lambda *a: castle._CastleBlockwise.apply(*a, window, scale, bs), xs, go)
+    out, g = _fwd_bwd(lambda *a: attn_blockwise(*a, window, scale, bs), xs, go)
     assert rel(out, ref) < 1e-12
     assert max(rel(a, b) for a, b in zip(g, gref)) < 1e-11
 
 
 def test_blockwise_state_and_bf16():
-    """Saved state = U at the start of the last block (spec §3.3); fp32/bf16 in, same dtype out."""
+    """Saved state = U at the start of the last block (D of eqs (21)-(24)); fp32/bf16 in, same dtype out."""
     L, bs = 14, 4
     xs = inputs(1, 2, L, 4)
-    blocks = [castle._to_blocks(x, bs) for x in xs]
-    out, lse, u = castle._blockwise_forward(*blocks, None, 0.5, bs, keep_last=False)
+    blocks = [to_blocks(x, bs) for x in xs]
+    out, lse, u = blockwise_forward(*blocks, None, 0.5, bs, keep_last=False)
     t0 = (math.ceil(L / bs) - 1) * bs
     assert rel(u.flatten(2, 3)[:, :, :t0], lookahead_keys(*xs[3:], t0)) < 1e-13
     assert u.flatten(2, 3)[:, :, t0:].abs().max() == 0
-    _, _, u_all = castle._blockwise_forward(*blocks, None, 0.5, bs, keep_last=True)
+    _, _, u_all = blockwise_forward(*blocks, None, 0.5, bs, keep_last=True)
     assert rel(u_all.flatten(2, 3)[:, :, :L], lookahead_keys(*xs[3:], L)) < 1e-13
     xb = [x.to(torch.bfloat16) for x in xs]
     out = castle_attn(*xb, impl="blockwise")
@@ -210,17 +214,17 @@ def test_blockwise_backward_rebuilds_u_to_zero():
     back as zeros, up to the rounding of the subtractions."""
     L, bs = 23, 4
     xs = inputs(2, 3, L, 5)
-    blocks = [castle._to_blocks(x, bs) for x in xs]
-    out, lse, u = castle._blockwise_forward(*blocks, None, 0.5, bs, keep_last=False)
+    blocks = [to_blocks(x, bs) for x in xs]
+    out, lse, u = blockwise_forward(*blocks, None, 0.5, bs, keep_last=False)
     assert u.abs().max() > 0.1
-    do = castle._to_blocks(torch.randn(2, 3, L, 5, dtype=torch.float64), bs)
-    castle._blockwise_backward(do, *blocks, out, lse, u, None, 0.5, bs)
+    do = to_blocks(torch.randn(2, 3, L, 5, dtype=torch.float64), bs)
+    blockwise_backward(do, *blocks, out, lse, u, None, 0.5, bs)
     assert u.abs().max() < 1e-13
 
 
 def _permuted_fwd_bwd(fn, xs, go):
     """(outputs and gradients as computed, and as computed on batch- and head-permuted inputs then
-    permuted back): invariant 14, nothing flows between batch items or heads."""
+    permuted back): nothing flows between batch items or heads."""
     pb, ph = torch.randperm(xs[0].shape[0]), torch.randperm(xs[0].shape[1])
     out, g = _fwd_bwd(fn, xs, go)
     out_p, g_p = _fwd_bwd(fn, [x[pb][:, ph] for x in xs], go[pb][:, ph])
@@ -268,23 +272,25 @@ TRITON_CASES = [
 
 
 def test_triton_cases_take_both_sigma_scalings():
-    """Sigma's operand carries s / 2 only where that is exact (castle._half_scaled); the cases below must run
-    both ways."""
-    assert {castle._sigma_prescaled(D ** -0.5 if s is None else s) for _, D, *_, s in TRITON_CASES} == {True, False}
-    assert castle._sigma_prescaled(64 ** -0.5) and not castle._sigma_prescaled(128 ** -0.5)
+    """Sigma's operand carries s / 2 only where that is exact (_half_scaled in kernels/castle/triton.py); the
+    cases below must run both ways."""
+    scales = {castle_triton.sigma_prescaled(D ** -0.5 if s is None else s) for _, D, *_, s in TRITON_CASES}
+    assert scales == {True, False}
+    assert castle_triton.sigma_prescaled(64 ** -0.5) and not castle_triton.sigma_prescaled(128 ** -0.5)
 
 
 def test_triton_cases_take_both_tile_bounds():
-    """Tiles load and add unmasked only where every one lies inside the head (castle._in_bounds); the cases
+    """Tiles load and add unmasked only where every one lies inside the head (castle_triton.in_bounds); the cases
     below must run both ways, in the forward and in the backward."""
     for m in ("m_fwd", "m_bwd"):
-        assert {castle._in_bounds(L, getattr(cfg, m), D, castle._block_d(D)) for L, D, _, cfg, *_ in TRITON_CASES} \
-            == {True, False}
-    assert castle._in_bounds(2048, 64, 64, 64) and not castle._in_bounds(2000, 64, 64, 64)
-    assert not castle._in_bounds(2048, 64, 96, 128)
+        bounds = {castle_triton.in_bounds(L, getattr(cfg, m), D, padded_head_dim(D))
+                  for L, D, _, cfg, *_ in TRITON_CASES}
+        assert bounds == {True, False}
+    assert castle_triton.in_bounds(2048, 64, 64, 64) and not castle_triton.in_bounds(2000, 64, 64, 64)
+    assert not castle_triton.in_bounds(2048, 64, 96, 128)
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 @pytest.mark.parametrize("L,D,window,cfg,dtype,scale", TRITON_CASES)
 def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
     """Invariants 5 and 6 for the kernels: forward and all six gradients vs fp64 autograd, for every
@@ -295,7 +301,7 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
     ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, scale=scale, impl="torch"),
                          [x.double() for x in xs], go)
     scale = D ** -0.5 if scale is None else scale
-    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, window, scale, cfg), xs, go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, scale, cfg), xs, go)
     assert out.dtype == dtype and all(t.dtype == dtype for t in g)
     assert torch.isfinite(out).all() and all(torch.isfinite(t).all() for t in g)
     tol = 2e-6 if dtype == torch.float32 else 1e-2
@@ -304,80 +310,80 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
     assert max(errs) < 2 * tol, errs
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_triton_backward_head_groups(variant):
-    """Both launches take heads in groups (_fwd_head_group, _BWD_HEAD_GROUP): B*H = 10 makes a full group
+    """Both launches take heads in groups (fwd_head_group, BWD_HEAD_GROUP): B*H = 10 makes a full group
     and a partial one, and every head's output and gradients must still be its own."""
     B, H, L, D = 2, 5, 33, 32
     cfg = dataclasses.replace(TILE16, bwd_variant=variant)
-    for group in (castle._fwd_head_group(cfg, L), castle._BWD_HEAD_GROUP):
+    for group in (castle_triton.fwd_head_group(cfg, L), castle_triton.BWD_HEAD_GROUP):
         assert B * H > group and B * H % group != 0
     xs = inputs(B, H, L, D, torch.float32)
     go = torch.randn(B, H, L, D)
     ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=5, impl="torch"), [x.double() for x in xs], go)
-    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 5, D ** -0.5, cfg), xs, go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, 5, D ** -0.5, cfg), xs, go)
     assert rel(out, ref) < 4e-6 and max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
 
 
 def test_stored_backward_with_one_strip(monkeypatch):
     """Memory-capped "stored" backward: every (head, key block) program recycles a single dS strip."""
-    monkeypatch.setattr(castle, "_ds_strips", lambda device, work, strip_bytes: 1)
+    monkeypatch.setattr(castle_triton, "ds_strips", lambda device, work, strip_bytes: 1)
     xs = inputs(2, 2, 37, 32, torch.float32)
     go = torch.randn(2, 2, 37, 32)
     cfg = dataclasses.replace(TILE16, bwd_variant="stored")
     _, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=7, impl="torch"), [x.double() for x in xs], go)
-    _, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, 7, 32 ** -0.5, cfg), xs, go)
+    _, g = _fwd_bwd(lambda *a: attn_triton(*a, 7, 32 ** -0.5, cfg), xs, go)
     assert max(rel(a, b) for a, b in zip(g, gref)) < 4e-6
 
 
 def test_strip_count_capped_by_free_memory():
     """Four strips per SM unless they would take over a quarter of the free memory; never below one."""
     mb = 2 ** 20
-    assert castle._strip_count(work=10_000, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 528
-    assert castle._strip_count(work=100, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 100
-    assert castle._strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=40_000 * mb) == 285
-    assert castle._strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=10 * mb) == 1
+    assert castle_triton.strip_count(work=10_000, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 528
+    assert castle_triton.strip_count(work=100, wanted=528, strip_bytes=mb, free_bytes=80_000 * mb) == 100
+    assert castle_triton.strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=40_000 * mb) == 285
+    assert castle_triton.strip_count(work=10_000, wanted=528, strip_bytes=35 * mb, free_bytes=10 * mb) == 1
 
 
 def test_strips_read_allocator_statistics_only_when_capped(monkeypatch):
     """The allocator's unused blocks count as free memory, but its statistics (slow to read) are only read
     where the device's own free memory would cap the strips."""
     mb, reads = 2 ** 20, []
-    monkeypatch.setattr(castle, "_interpreting", lambda: False)
+    monkeypatch.setattr(castle_triton, "interpreting", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(multi_processor_count=132))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reads.append("reserved") or 8_000 * mb)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: reads.append("allocated") or 1_000 * mb)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (80_000 * mb, 141_000 * mb))
-    assert castle._ds_strips("cuda", 10_000, mb) == 528 and reads == []
+    assert castle_triton.ds_strips("cuda", 10_000, mb) == 528 and reads == []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (1_000 * mb, 141_000 * mb))
     # 1000 MB free on the device and 7000 MB unused in the allocator: a quarter of 8000 MB holds 57 strips of 35 MB
-    assert castle._ds_strips("cuda", 10_000, 35 * mb) == 57 and sorted(reads) == ["allocated", "reserved"]
+    assert castle_triton.ds_strips("cuda", 10_000, 35 * mb) == 57 and sorted(reads) == ["allocated", "reserved"]
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_triton_batch_and_head_permutation(variant):
     """Invariant 14 for the kernels, with B*H = 10 across two backward head groups."""
     xs = inputs(2, 5, 21, 32, torch.float32)
     go = torch.randn(2, 5, 21, 32)
     cfg = dataclasses.replace(TILE16, bwd_variant=variant)
-    plain, permuted = _permuted_fwd_bwd(lambda *a: castle._attn_triton(*a, 5, 32 ** -0.5, cfg), xs, go)
+    plain, permuted = _permuted_fwd_bwd(lambda *a: attn_triton(*a, 5, 32 ** -0.5, cfg), xs, go)
     assert torch.equal(permuted[0], plain[0])  # the forward is deterministic
     assert max(rel(a, b) for a, b in zip(permuted, plain)) < 1e-6
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_triton_backward_twice(variant):
     """retain_graph: a second backward gives the same gradients (no variant consumes the saved U)."""
     xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
     cfg = dataclasses.replace(TILE32_16, bwd_variant=variant)
-    out = castle._attn_triton(*xs, 3, 32 ** -0.5, cfg)
+    out = attn_triton(*xs, 3, 32 ** -0.5, cfg)
     go = torch.randn_like(out)
     first = torch.autograd.grad(out, xs, go, retain_graph=True)
     second = torch.autograd.grad(out, xs, go)
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(first, second))
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_triton_saves_u_only_when_read(variant):
     """Activation memory: "stored" rebuilds U_c in its first pass, so autograd keeps only the inputs, the
     output and lse (and an empty U); the variants that start from the saved U keep its fp32 (BH, rows,
@@ -385,13 +391,13 @@ def test_triton_saves_u_only_when_read(variant):
     xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        castle._attn_triton(*xs, None, 32 ** -0.5, dataclasses.replace(TILE16, bwd_variant=variant))
+        attn_triton(*xs, None, 32 ** -0.5, dataclasses.replace(TILE16, bwd_variant=variant))
     saved = [t for t in saved if t.numel()]
     u_like = [t for t in saved if t.dim() == 3 and t.shape[-1] == 32]
     assert len(saved) == 8 + (variant != "stored") and len(u_like) == (variant != "stored")
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 def test_triton_under_torch_compile(variant):
     """To torch.compile the Triton path is two custom ops (forward, backward): a function around it
     compiles as one graph (fullgraph=True raises on a graph break), with the ops' shapes from their fake
@@ -401,7 +407,7 @@ def test_triton_under_torch_compile(variant):
     cfg = dataclasses.replace(TILE16, bwd_variant=variant)
 
     def fn(*a):
-        return castle._attn_triton(*[2 * x for x in a], 5, 32 ** -0.5, cfg).sin()
+        return attn_triton(*[2 * x for x in a], 5, 32 ** -0.5, cfg).sin()
 
     torch._dynamo.reset()
     out, g = _fwd_bwd(torch.compile(fn, fullgraph=True, backend="aot_eager"), xs, go)
@@ -410,22 +416,22 @@ def test_triton_under_torch_compile(variant):
     assert max(rel(a, b) for a, b in zip(g, gref)) < 1e-6
 
 
-@pytest.mark.parametrize("variant", castle.BWD_VARIANTS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("window", [None, 37])
 def test_triton_gpu_default_tiles(D, window, variant):
-    """The tiles a GPU runs by default (_gpu_config, bf16) on a shape crossing several blocks of each
+    """The tiles a GPU runs by default (gpu_config, bf16) on a shape crossing several blocks of each
     (L = 173: ragged tails; W = 37 ends inside blocks): forward and all six gradients vs fp64
     autograd. On CPU this checks the schedule at those tiles (the gpu tests check the bf16 numerics)."""
     L, dtype = 173, torch.bfloat16
-    cfg = castle._gpu_config(D, dtype, variant)
+    cfg = castle_triton.gpu_config(D, dtype, variant)
     xs = inputs(1, 2, L, D, dtype)
     go = torch.randn(1, 2, L, D).to(dtype)
     ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
-    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, window, D ** -0.5, cfg), xs, go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg), xs, go)
     assert out.dtype == dtype and all(t.dtype == dtype for t in g)
     # The interpreter computes in fp32: only the bf16 rounding of the results remains (~2e-3).
-    tol = 4e-3 if castle._interpreting() else 1e-2
+    tol = 4e-3 if interpreting() else 1e-2
     assert rel(out, ref) < tol
     errs = [rel(a, b) for a, b in zip(g, gref)]
     assert max(errs) < 2 * tol, errs
@@ -452,7 +458,7 @@ def test_triton_saved_state(window):
     cfg = TritonConfig(32, 16, 4, 16, 16, 4, 1)
     x64 = [x.double() for x in xs]
     for save_t in (32, L):  # the backward's start, and prefill
-        out, lse, u = castle._triton_forward(*xs, window, D ** -0.5, cfg, save_t)
+        out, lse, u = castle_triton.triton_forward(*xs, window, D ** -0.5, cfg, save_t)
         u = u.view(1, 2, -1, u.shape[-1])
         assert rel(u[:, :, :save_t], lookahead_keys(*x64[3:], save_t, window)) < 2e-6
     scale = D ** -0.5
@@ -560,6 +566,42 @@ def test_prefill_several_blocks(window):
     assert rel(cache.u, lookahead_keys(*xs[3:], 140, window, scale=0.3)) < 1e-13
 
 
+def test_prefill_into_a_given_cache():
+    """castle_prefill(cache=...) fills the empty cache a model layer made (its window, scale, capacity) as a
+    cache of its own would be filled; it refuses a non-empty cache and a second window or scale."""
+    xs = inputs(2, 3, 12, 8)
+    out, own = castle_prefill(*[x[..., :9, :] for x in xs], window=4, scale=0.3, max_len=12)
+    given = CastleCache(2, 3, 8, max_len=12, dtype=torch.float64, device="cpu", window=4, scale=0.3)
+    out2, cache = castle_prefill(*[x[..., :9, :] for x in xs], cache=given)
+    assert cache is given and torch.equal(out2, out) and cache.capacity == own.capacity == 12
+    for name in ("u", "qu", "kc", "vc"):
+        assert torch.equal(getattr(cache, name), getattr(own, name)), name
+    for t in range(9, 12):
+        one = [x[..., t:t + 1, :] for x in xs]
+        assert torch.equal(castle_decode(cache, *one)[0], castle_decode(own, *one)[0])
+    with pytest.raises(ValueError, match="empty cache"):
+        castle_prefill(*xs, cache=cache)
+    with pytest.raises(ValueError, match="no window, scale or max_len"):
+        castle_prefill(*xs, window=4, cache=CastleCache(2, 3, 8, max_len=12, dtype=torch.float64, device="cpu"))
+
+
+@pytest.mark.parametrize("window", [None, 0, 3])
+def test_extend_in_chunks(window):
+    """A cache filled chunk by chunk with extend (as benchmarks fill theirs) holds what one prefill leaves:
+    U, K^C, V^C and the Q^U rows the next token reads; decoding then continues identically."""
+    L, P = 20, 14
+    xs = inputs(1, 2, L, 4)
+    _, whole = castle_prefill(*[x[..., :P, :] for x in xs], window=window, max_len=L)
+    chunked = CastleCache(1, 2, 4, max_len=L, dtype=torch.float64, device="cpu", window=window)
+    for a, b in ((0, 5), (5, 6), (6, 14)):
+        chunked.extend(whole.u[..., a:b, :], xs[3][..., a:b, :], xs[1][..., a:b, :], xs[2][..., a:b, :])
+    for name in ("u", "qu", "kc", "vc"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    for t in range(P, L):
+        one = [x[..., t:t + 1, :] for x in xs]
+        assert torch.equal(castle_decode(chunked, *one)[0], castle_decode(whole, *one)[0])
+
+
 @pytest.mark.parametrize("window,prompt,max_len", [(None, 0, None), (None, 21, 24), (0, 3, None), (3, 5, 6),
                                                     (20, 9, None)])
 def test_decode_triton_matches_parallel(window, prompt, max_len):
@@ -636,7 +678,7 @@ def _gpu_case(B, H, L, D, window, dtype=torch.bfloat16, cfg=None):
     xs = inputs(B, H, L, D, dtype, device="cuda")
     go = torch.randn(B, H, L, D, device="cuda").to(dtype)
     ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
-    out, g = _fwd_bwd(lambda *a: castle._attn_triton(*a, window, D ** -0.5, cfg), xs, go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg), xs, go)
     errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(g, gref)]
     naive = [0.0] * 7
     if dtype == torch.bfloat16:
@@ -670,8 +712,8 @@ def test_gpu_triton_fp32(L, D, window):
 def test_gpu_stored_backward_few_strips(monkeypatch):
     """Strips capped below the programs that run at once (as when memory is short): the programs that wait
     for a strip must neither deadlock nor read another program's dS."""
-    monkeypatch.setattr(castle, "_ds_strips", lambda device, work, strip_bytes: 3)
-    cfg = dataclasses.replace(castle._gpu_config(64, torch.bfloat16), bwd_variant="stored")
+    monkeypatch.setattr(castle_triton, "ds_strips", lambda device, work, strip_bytes: 3)
+    cfg = dataclasses.replace(castle_triton.gpu_config(64, torch.bfloat16), bwd_variant="stored")
     _assert_bf16(*_gpu_case(2, 8, 1031, 64, None, cfg=cfg))
 
 

@@ -18,6 +18,9 @@ from omegaconf import OmegaConf
 import data.tokenizer as tokenizer_module
 from data import REPO_ROOT
 from data.loader import TokenLoader, build_loader, ensure_prepared
+from data.order import feistel_permutation, round_keys
+from data.pipeline import prepare
+from data.sources import expand_sources, list_units
 from data.longcrawl64 import DOC_LEN, LongCrawl64Loader, check_values, open_split
 from data.shards import HEADER_BYTES, MAGIC, read_shard, shard_num_tokens, write_shard
 from data.tokenizer import EOT, get_tokenizer
@@ -173,7 +176,7 @@ def stream_shards(tmp_path):
 def test_loader_reads_the_stream_in_order_and_wraps(stream_shards):
     files, stream = stream_shards
     B, T = 3, 50
-    loader = TokenLoader(files, B, T, vocab_size=V)
+    loader = TokenLoader([files], B, T, vocab_size=V)
     n_chunks = (len(stream) - 1) // (B * T)
     for k in range(2 * n_chunks + 1):  # two epochs and a bit: crosses every shard boundary
         x, y = loader.next_batch()
@@ -185,24 +188,24 @@ def test_loader_reads_the_stream_in_order_and_wraps(stream_shards):
 
 def test_loader_resume_gives_the_same_batches(stream_shards):
     files, _ = stream_shards
-    loader = TokenLoader(files, 2, 64, rank=1, world_size=2, vocab_size=V)
+    loader = TokenLoader([files], 2, 64, rank=1, world_size=2, vocab_size=V)
     for _ in range(5):
         loader.next_batch()
     state = loader.state_dict()
     assert state["position"] == 5 * 2 * 2 * 64
     expected = [loader.next_batch() for _ in range(6)]
-    resumed = TokenLoader(files, 2, 64, rank=1, world_size=2, vocab_size=V)
+    resumed = TokenLoader([files], 2, 64, rank=1, world_size=2, vocab_size=V)
     resumed.load_state_dict(state)
     for (x, y), (xr, yr) in zip(expected, (resumed.next_batch() for _ in range(6)), strict=True):
         assert torch.equal(x, xr) and torch.equal(y, yr)
     with pytest.raises(ValueError, match="not a multiple"):
-        TokenLoader(files, 3, 64, vocab_size=V).load_state_dict({"position": 100})
+        TokenLoader([files], 3, 64, vocab_size=V).load_state_dict({"position": 100})
 
 
 def test_two_ranks_read_what_one_rank_reads_in_two_steps(stream_shards):
     files, _ = stream_shards
-    one = TokenLoader(files, 2, 32, vocab_size=V)
-    ranks = [TokenLoader(files, 2, 32, rank=r, world_size=2, vocab_size=V) for r in range(2)]
+    one = TokenLoader([files], 2, 32, vocab_size=V)
+    ranks = [TokenLoader([files], 2, 32, rank=r, world_size=2, vocab_size=V) for r in range(2)]
     for _ in range(20):
         for rank in ranks:
             x, y = rank.next_batch()
@@ -214,22 +217,284 @@ def test_two_ranks_read_what_one_rank_reads_in_two_steps(stream_shards):
 def test_loader_needs_enough_tokens(stream_shards):
     files, _ = stream_shards
     with pytest.raises(ValueError, match="fewer than one batch"):
-        TokenLoader(files[:2], 4, 200, vocab_size=V)
+        TokenLoader([files[:2]], 4, 200, vocab_size=V)
     with pytest.raises(ValueError, match="at least one"):
         TokenLoader([], 1, 1, vocab_size=V)
+
+
+# ---- shuffled order and mixes ----
+
+SOURCE_STRIDE = 10_000  # source k's train tokens are k*10000 + their stream position, its val tokens from +8000
+VAL_OFFSET = 8_000
+
+
+def write_source(folder, n_tokens, k, rng, val_tokens=1_500):
+    """A folder of train shards (random cut points) whose stream is k*10000, k*10000 + 1, ..., and a val shard:
+    every token names its source and position, and every id is in the GPT-2 vocabulary."""
+    folder.mkdir(parents=True)
+    stream = SOURCE_STRIDE * k + np.arange(n_tokens)
+    cuts = np.sort(rng.choice(np.arange(1, n_tokens), size=int(rng.integers(0, 4)), replace=False))
+    for i, part in enumerate(np.split(stream, cuts)):
+        write_shard(folder / f"train_{i:06d}.bin", part)
+    write_shard(folder / "val_000000.bin", SOURCE_STRIDE * k + VAL_OFFSET + np.arange(val_tokens))
+    return folder
+
+
+@pytest.fixture
+def sources(tmp_path):
+    """Three prepared folders of 2,000-8,000 train tokens each."""
+    rng = np.random.default_rng()
+    return [write_source(tmp_path / f"source{k}", int(rng.integers(2_000, 8_000)), k, rng) for k in range(3)]
+
+
+def train_files(folder):
+    return sorted(folder.glob("train_*.bin"))
+
+
+def n_sequences(folder, T):
+    return (sum(shard_num_tokens(f) for f in train_files(folder)) - 1) // T
+
+
+def decode(x, y, T, offset=0):
+    """[(source, sequence index)] of a batch, after checking each row is that sequence's tokens."""
+    out = []
+    for xr, yr in zip(x.tolist(), y.tolist(), strict=True):
+        source, start = divmod(xr[0], SOURCE_STRIDE)
+        seq, rest = divmod(start - offset, T)
+        assert rest == 0 and xr == list(range(xr[0], xr[0] + T)) and yr == [t + 1 for t in xr]
+        out.append((source, seq))
+    return out
+
+
+def test_feistel_permutation_is_a_bijection_that_the_keys_change():
+    rng = np.random.default_rng()
+    seed = int(rng.integers(2**32))
+    for n in [1, 2, 3, 4, 5, 17, 1024, *rng.integers(1, 100_000, size=4)]:
+        perm = feistel_permutation(np.arange(n), n, round_keys(seed, 0, 0))
+        assert np.array_equal(np.sort(perm), np.arange(n)), n
+    n = 5000
+    perms = [feistel_permutation(np.arange(n), n, round_keys(*key))
+             for key in [(seed, 0, 0), (seed + 1, 0, 0), (seed, 1, 0), (seed, 0, 1)]]  # seed, source, epoch
+    for i in range(4):
+        assert abs(np.corrcoef(perms[i], np.arange(n))[0, 1]) < 0.1  # far from file order
+        for d in 2 ** np.arange(12):  # sequences d apart land uncorrelated, also across the Feistel halves
+            assert abs(np.corrcoef(perms[i][:-d], perms[i][d:])[0, 1]) < 0.1
+        for j in range(i):
+            assert np.mean(perms[i] == perms[j]) < 0.01  # random permutations agree on ~1/n of the places
+
+
+def test_shuffled_order_visits_every_sequence_once_per_epoch(sources):
+    rng = np.random.default_rng()
+    folder, T, B, seed = sources[0], int(rng.integers(8, 33)), int(rng.integers(2, 6)), int(rng.integers(2**31))
+    S = n_sequences(folder, T)
+    loader = TokenLoader([train_files(folder)], B, T, vocab_size=V, order="shuffled", seed=seed)
+    seen = []
+    while len(seen) < 3 * S:  # three epochs; batches cross the epoch boundaries
+        seen += [seq for _, seq in decode(*loader.next_batch(), T)]
+    epochs = [seen[e * S:(e + 1) * S] for e in range(3)]
+    for epoch in epochs:
+        assert sorted(epoch) == list(range(S))  # each sequence exactly once
+    assert epochs[0] != list(range(S)) and epochs[0] != epochs[1] != epochs[2]  # shuffled, anew each epoch
+
+    def first_batches(seed):
+        loader = TokenLoader([train_files(folder)], B, T, vocab_size=V, order="shuffled", seed=seed)
+        return [loader.next_batch()[0] for _ in range(3)]
+    assert all(map(torch.equal, first_batches(seed), first_batches(seed)))  # deterministic
+    assert not all(map(torch.equal, first_batches(seed), first_batches(seed + 1)))  # the seed matters
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_read_disjoint_slices_of_every_global_batch(sources, world, mixed):
+    rng = np.random.default_rng()
+    T, B, seed = 16, int(rng.integers(1, 4)), int(rng.integers(2**31))
+    files = [train_files(f) for f in (sources if mixed else sources[:1])]
+    weights = list(rng.uniform(0.2, 1, size=len(files)))
+
+    def loader(rank=0, world_size=1):
+        return TokenLoader(files, B, T, rank, world_size, vocab_size=V, weights=weights, order="shuffled", seed=seed)
+    one, ranks = loader(), [loader(r, world) for r in range(world)]
+    seen = []
+    for _ in range(60 // (B * world)):  # within every source's first epoch (>= 124 sequences)
+        got = [rank.next_batch() for rank in ranks]
+        want = [one.next_batch() for _ in range(world)]  # the global batch = one rank's next `world` batches
+        for i in range(2):
+            assert torch.equal(torch.cat([b[i] for b in got]), torch.cat([b[i] for b in want]))
+        seen += [pair for x, y in got for pair in decode(x, y, T)]
+    assert len(set(seen)) == len(seen)  # no rank reads what another reads (nor anything twice)
+    assert all(rank.state_dict() == one.state_dict() for rank in ranks)
+    assert all(rank.source_counts() == one.source_counts() for rank in ranks)
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_resume_mid_epoch_gives_the_batches_of_an_uninterrupted_run(sources, mixed):
+    rng = np.random.default_rng()
+    T, B, seed = int(rng.integers(8, 20)), 3, int(rng.integers(2**31))
+    files = [train_files(f) for f in (sources if mixed else sources[:1])]
+    weights = list(rng.uniform(0.2, 1, size=len(files)))
+
+    def loader():
+        return TokenLoader(files, B, T, rank=1, world_size=2, vocab_size=V, weights=weights, order="shuffled",
+                           seed=seed)
+    run = loader()
+    for _ in range(int(rng.integers(1, 10))):  # mid-epoch: at most 60 of >= 100 sequences per source
+        run.next_batch()
+    state, counts = run.state_dict(), run.source_counts()
+    assert set(state) == {"position"}  # the loader's whole state: one integer
+    steps = 2 * max(n_sequences(f, T) for f in sources) // (2 * B) + 2  # past every source's epoch boundary
+    after = [run.next_batch() for _ in range(steps)]
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert resumed.source_counts() == counts
+    for (x, y), (xr, yr) in zip(after, (resumed.next_batch() for _ in range(steps)), strict=True):
+        assert torch.equal(x, xr) and torch.equal(y, yr)
+
+
+def test_mix_draws_the_weights_proportions_and_each_source_runs_its_own_epochs(sources):
+    rng = np.random.default_rng()
+    T, B, seed = 32, int(rng.integers(4, 9)), int(rng.integers(2**31))
+    sizes = np.array([n_sequences(f, T) for f in sources])
+    weights = list(sizes * rng.uniform(1, 3, size=3))  # every source through 2+ epochs in 6.5 * sum(sizes) samples
+    share = np.array(weights) / sum(weights)
+    loader = TokenLoader([train_files(f) for f in sources], B, T, vocab_size=V, weights=weights, order="shuffled",
+                         seed=seed)
+    drawn = [[] for _ in sources]
+    for step in range(1, 1 + int(6.5 * sizes.sum()) // B):
+        for source, seq in decode(*loader.next_batch(), T):
+            drawn[source].append(seq)
+        counts = np.array([len(d) for d in drawn])
+        assert np.abs(counts - share * step * B).max() < 1  # every prefix: within one sequence (MixSchedule)
+        assert loader.source_counts() == {str(f): int(c) for f, c in zip(sources, counts, strict=True)}
+    for seqs, S in zip(drawn, sizes, strict=True):  # each source: its own epochs, each a new permutation
+        epochs = [seqs[i:i + S] for i in range(0, len(seqs), S)]
+        assert len(epochs) >= 3 and epochs[0] != epochs[1]
+        for epoch in epochs[:-1]:
+            assert sorted(epoch) == list(range(S))
+        assert len(set(epochs[-1])) == len(epochs[-1])
+
+
+def test_shuffled_order_checks_token_ids_as_it_reads(tmp_path):
+    rng = np.random.default_rng()
+    tokens = rng.integers(0, V, size=4000)
+    pos, bad_id = int(rng.integers(0, 1990)), int(rng.choice([50300, 60000]))  # sequences end at 3990
+    tokens[2000 + pos] = bad_id
+    write_shard(tmp_path / "train_000000.bin", tokens[:2000])
+    write_shard(tmp_path / "train_000001.bin", tokens[2000:])
+    loader = TokenLoader([train_files(tmp_path)], 2, 10, vocab_size=V, order="shuffled", seed=int(rng.integers(99)))
+    with pytest.raises(ValueError) as err:
+        for _ in range(200):  # one epoch: the sequence holding the bad id comes up somewhere in it
+            loader.next_batch()
+    assert_names_bad_token(err, tmp_path / "train_000001.bin", pos, bad_id)
+
+
+def mix_config(folders, weights):
+    cfg = OmegaConf.load(CONFIGS / "mix.yaml")
+    cfg.mix = [{"dir": str(f), "weight": w} for f, w in zip(folders, weights, strict=True)]
+    return cfg
+
+
+def test_build_loader_mixes_train_and_validation_splits(sources):
+    rng = np.random.default_rng()
+    weights = [float(w) for w in rng.uniform(0.2, 1, size=3)]
+    cfg = mix_config(sources, weights)
+    T, B = 16, 4
+    train = build_loader(cfg, "train", B, T, rank=1, world_size=2)
+    assert train.names == [str(f) for f in sources] and train.orders[0].order == "shuffled"
+    assert {source for source, _ in decode(*train.next_batch(), T)} <= {0, 1, 2}
+
+    def val_batches():
+        val = build_loader(cfg, "val", B, T)
+        return [decode(*val.next_batch(), T, offset=VAL_OFFSET) for _ in range(25)]
+    batches = val_batches()
+    assert batches == val_batches()  # validation: the same batches every time
+    drawn = [[seq for batch in batches for source, seq in batch if source == k] for k in range(3)]
+    assert [seqs == list(range(len(seqs))) for seqs in drawn] == [True] * 3  # each val split in file order
+    share = np.array(weights) / sum(weights)
+    assert np.abs(np.array([len(d) for d in drawn]) - share * 100).max() < 1  # weighted as in training
+
+
+def test_mix_option_composes_from_the_command_line():
+    from hydra import compose, initialize_config_dir
+    with initialize_config_dir(config_dir=str(REPO_ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[
+            "data=text", "data.order=shuffled", "data.seed=3", "data.mix=[{dir:a/b,weight:0.7},{dir:c,weight:3}]"])
+    assert OmegaConf.to_container(cfg.data.mix) == [{"dir": "a/b", "weight": 0.7}, {"dir": "c", "weight": 3}]
+    assert (cfg.data.order, cfg.data.seed) == ("shuffled", 3)
+
+
+def write_prepared(folder, tokenizer):
+    """A real preparation of a small random text with `tokenizer`."""
+    rng = np.random.default_rng()
+    words = ["river", "stone", "light", '"quoted"', "night", "day", "café", "north", "time"]
+    text = folder.parent / f"{folder.name}.txt"
+    text.write_text("\n\n".join(" ".join(rng.choice(words, size=300)) for _ in range(20)))
+    prepare(list_units(expand_sources([str(text)])), folder, source=[str(text)], tokenizer=tokenizer,
+            val_tokens=500, shard_tokens=100_000, progress=False)
+    return folder
+
+
+@pytest.mark.parametrize("change, error, message", [
+    ({"mix": [{"weight": 1}]}, ValueError, r"data.mix\[0\] must be \{dir: FOLDER, weight: NUMBER\}"),
+    ({"mix": []}, ValueError, r"data.mix must be a non-empty list"),
+    ({"mix": "somewhere"}, ValueError, r"data.mix must be a non-empty list"),
+    ({"weights": [1, 0]}, ValueError, r"data.mix\[1\].weight must be a positive number, got 0"),
+    ({"weights": [-0.5, 1]}, ValueError, r"data.mix\[0\].weight must be a positive number, got -0.5"),
+    ({"weights": [1, float("nan")]}, ValueError, r"data.mix\[1\].weight must be a positive number"),
+    ({"weights": [1, "heavy"]}, ValueError, r"data.mix\[1\].weight must be a positive number, got 'heavy'"),
+    ({"missing": 1}, FileNotFoundError, r"data.mix\[1\].dir: .*nowhere is not a folder; prepare it first"),
+    ({"duplicate": 1}, ValueError, r"data.mix\[1\].dir: .*source0 is already in data.mix"),
+    ({"order": "random"}, ValueError, r"data.order must be one of file, shuffled for token shards, got 'random'"),
+    ({"seed": -1}, ValueError, r"data.seed must be a non-negative integer, got -1"),
+])
+def test_bad_data_options_are_refused_naming_the_option(sources, change, error, message):
+    folders = list(sources[:2])
+    if "missing" in change:
+        folders[1] = folders[1].parent / "nowhere"
+    if "duplicate" in change:
+        folders[1] = folders[0]
+    cfg = mix_config(folders, change.get("weights", [1, 1]))
+    for key in ("mix", "order", "seed"):
+        if key in change:
+            cfg[key] = change[key]
+    with pytest.raises(error, match=message):
+        build_loader(cfg, "train", 2, 8)
+
+
+def test_sources_of_another_tokenizer_are_refused(tmp_path):
+    gpt2, gpt2_json = write_prepared(tmp_path / "plain", "gpt2"), write_prepared(tmp_path / "json", "gpt2_json")
+    with pytest.raises(ValueError, match=r"data.mix\[1\].dir: .*json was prepared with tokenizer 'gpt2_json', but "
+                                         r"data.tokenizer is 'gpt2'"):
+        build_loader(mix_config([gpt2, gpt2_json], [1, 1]), "train", 2, 8)
+    cfg = OmegaConf.load(CONFIGS / "text.yaml")
+    cfg.dir, cfg.tokenizer = str(gpt2), "gpt2_json"
+    with pytest.raises(ValueError, match=r"data.dir: .*plain was prepared with tokenizer 'gpt2'"):
+        build_loader(cfg, "val", 2, 8)
+    one = OmegaConf.merge(mix_config([gpt2], [1]), {"order": "file"})
+    x, _ = build_loader(one, "train", 2, 8).next_batch()  # a mix of one folder reads as that folder
+    assert torch.equal(x, build_loader(OmegaConf.merge(cfg, {"tokenizer": "gpt2"}), "train", 2, 8).next_batch()[0])
+
+
+def test_longcrawl64_refuses_a_mix_and_a_token_shard_order(tmp_path):
+    cfg = OmegaConf.load(CONFIGS / "longcrawl64.yaml")
+    cfg.dir, cfg.check_rows = str(make_longcrawl(tmp_path, train_docs=2, val_docs=2)), False
+    with pytest.raises(ValueError, match="data.mix is not supported with data=longcrawl64"):
+        build_loader(OmegaConf.merge(cfg, {"mix": [{"dir": str(tmp_path), "weight": 1}]}), "train", 1, DOC_LEN)
+    with pytest.raises(ValueError, match="data.order must be 'paper' or 'shuffled' for LongCrawl64, got 'file'"):
+        build_loader(OmegaConf.merge(cfg, {"order": "file"}), "train", 1, DOC_LEN)
 
 
 # ---- build_loader and configs ----
 
 def test_every_data_config_has_the_keys(tmp_path):
     names = sorted(p.stem for p in CONFIGS.glob("*.yaml"))
-    assert names == ["fineweb_edu", "longcrawl64", "sample", "text"]
+    assert names == ["fineweb_edu", "longcrawl64", "mix", "sample", "text"]
     for name in names:
         cfg = OmegaConf.load(CONFIGS / f"{name}.yaml")
         assert cfg.name == name and cfg.tokenizer in ("gpt2", "gpt2_json") and cfg.val_tokens > 0
-        assert "dir" in cfg and "ranks_path" in cfg
+        assert ("dir" in cfg or cfg.mix) and "ranks_path" in cfg and cfg.seed == 0
         if name != "longcrawl64":
-            assert cfg.train_pattern and cfg.val_pattern and "auto_prepare" in cfg
+            assert cfg.train_pattern and cfg.val_pattern and "auto_prepare" in cfg and "mix" in cfg
+            assert cfg.order == ("shuffled" if name == "mix" else "file")
 
 
 def sample_config(tmp_path):
@@ -242,7 +507,7 @@ def test_build_loader_prepares_the_bundled_sample(tmp_path):
     cfg = sample_config(tmp_path)
     train = build_loader(cfg, "train", 4, 128, rank=1, world_size=2)
     val = build_loader(cfg, "val", 2, 256)
-    assert val.offsets[-1] == cfg.auto_prepare.val_tokens and train.offsets[-1] > 200_000
+    assert val.streams[0].n_tokens == cfg.auto_prepare.val_tokens and train.streams[0].n_tokens > 200_000
     x, y = train.next_batch()
     assert x.shape == (4, 128) and torch.equal(x[:, 1:], y[:, :-1])
     first = val.next_batch()[0][0].tolist()
@@ -403,6 +668,7 @@ def test_longcrawl_paper_order_bos_and_resume(longcrawl):
             after = [loader.next_batch() for _ in range(3)]
             resumed = LongCrawl64Loader(array, B, T, vocab_size=V)
             resumed.load_state_dict(state)
+            assert resumed.source_counts() == {str(longcrawl / "train.zarr"): 7 * B}
             assert all(torch.equal(a[1], resumed.next_batch()[1]) for a in after)
             loader.load_state_dict(state)
 

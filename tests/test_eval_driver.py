@@ -202,7 +202,7 @@ def test_local_tasks_match_the_official_prompts(tmp_path):
 
 
 def test_paper_average_reproduces_fox_table1():
-    """fox.md I20: the Avg of FoX (Pro) in Table 1 is 50.88."""
+    """FoX (arXiv:2503.02130) Table 1: the Avg of FoX (Pro), 50.88, is the mean of its 10 accuracy columns."""
     row = [23.04, 14.91, 42.75, 64.09, 38.39, 52.33, 52.23, 26.54, 71.00, 29.80, 85.10, 46.57]
     results = {}
     for (_, task, metric), value in zip(PRESETS["fox"].columns, row):

@@ -1,8 +1,8 @@
-"""kernels/forgetting.py: Forgetting Attention reference, Triton kernels, decode helpers.
+"""kernels/forgetting/: Forgetting Attention reference, Triton kernels, decode helpers.
 
-Invariant numbers (I1...) refer to shared/spec/fox.md §7. On CPU the Triton kernels run in the
-interpreter on tiny shapes (tile 16, so L = 17, 45 cover several tiles and padded tails); the
-gpu-marked tests run the compiled kernels at real shapes.
+Each test checks a property of Forgetting Attention (FoX, arXiv:2503.02130 §3, eq (11)) that the op
+must keep. On CPU the Triton kernels run in the interpreter on tiny shapes (tile 16, so L = 17, 45
+cover several tiles and padded tails); the gpu-marked tests run the compiled kernels at real shapes.
 """
 
 import math
@@ -11,15 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import forgetting as fox
-from kernels.forgetting import _MAX_BLOCK, _gate_grad, _split_c, fgate_cumsum, forgetting_attn, forgetting_decode
+import kernels.forgetting.triton as fox_triton
+from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.forgetting.triton import MAX_BLOCK, gate_grad, split_c
+from kernels.triton_utils import interpreting
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
-# gate logit ranges (fox.md I2): log f = logsigmoid(logit)
+# gate logit ranges: log f = logsigmoid(logit)
 DECAY = {"strong": (-5.0, 0.0), "weak": (5.0, 10.0), "mixed": (-5.0, 10.0)}
 
 
@@ -80,12 +82,12 @@ def test_reference_matches_definition():
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_gate_one_is_causal_attention(impl):
-    """I1: log f = 0 gives causal softmax attention, forward and dq/dk/dv; d log f still right."""
+    """log f = 0 (F = 1 in eq (11)) gives causal softmax attention, forward and dq/dk/dv; d log f still right."""
     q, k, v, _ = make_inputs(2, 2, 33, 32)
     zero = torch.zeros(2, 2, 33, device=DEV)
     o, grads, do = run(q, k, v, zero, impl=impl)
     # fp64 SDPA with the gate bias c_i - c_j (c = cumsum log f, -inf above the diagonal): causal
-    # attention here, and autograd through c gives d log f without forgetting.py
+    # attention here, and autograd through c gives d log f without kernels/forgetting
     q, k, v, log_fgate = (x.double().requires_grad_() for x in (q, k, v, zero))
     c = log_fgate.cumsum(-1)
     future = torch.ones(33, 33, dtype=torch.bool, device=DEV).triu(1)
@@ -97,16 +99,16 @@ def test_gate_one_is_causal_attention(impl):
 
 @pytest.mark.parametrize("L", [1, 45, 77])
 def test_gate_cumsum_kernel(L):
-    """I3: the kernel's c = cumsum(log f) in fp64 (times log2 e), padded with log f = 0 and split
+    """The kernel's c = cumsum(log f) in fp64 (times log2 e), padded with log f = 0 and split
     into a value per block and fp32 offsets, equals the same computed by torch; L spans several
     of the scan's chunks and ends in a partial block."""
     log_fgate = F.logsigmoid(3 * torch.randn(2, 3, L, device=DEV))
     log_fgate[..., 0] = -3e5  # a large |c|: the offsets must still be exact
-    Lp = -(-L // _MAX_BLOCK) * _MAX_BLOCK
-    offsets, blocks = _split_c(log_fgate, Lp)
+    Lp = -(-L // MAX_BLOCK) * MAX_BLOCK
+    offsets, blocks = split_c(log_fgate, Lp)
     c = F.pad(fgate_cumsum(log_fgate), (0, Lp - L), mode="replicate") * math.log2(math.e)
-    expected_blocks = c[..., ::_MAX_BLOCK]
-    expected_offsets = c - expected_blocks.repeat_interleave(_MAX_BLOCK, -1)
+    expected_blocks = c[..., ::MAX_BLOCK]
+    expected_offsets = c - expected_blocks.repeat_interleave(MAX_BLOCK, -1)
     assert torch.allclose(blocks, expected_blocks, rtol=1e-14, atol=0)
     assert torch.allclose(offsets.double(), expected_offsets, rtol=1e-6, atol=1e-5)
 
@@ -114,13 +116,13 @@ def test_gate_cumsum_kernel(L):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("L", [1, 45, 77])
 def test_gate_grad_kernel_is_the_cumsum_adjoint(L, dtype):
-    """I8: d log f_t = sum_{s >= t} dc_s (dc = dcq + dck from the kernels' row and column sums) is
-    the adjoint of c = cumsum(log f); padded positions after L are ignored."""
-    Lp = -(-L // _MAX_BLOCK) * _MAX_BLOCK
+    """d log f_t = sum_{s >= t} dc_s (dc = dcq + dck from the kernels' row and column sums; App. E,
+    Algorithm 2) is the adjoint of c = cumsum(log f); padded positions after L are ignored."""
+    Lp = -(-L // MAX_BLOCK) * MAX_BLOCK
     dcq, dck = (torch.randn(2, 3, Lp, device=DEV) for _ in range(2))
     x = torch.randn(2, 3, L, dtype=torch.float64, device=DEV, requires_grad=True)
     (expected,) = torch.autograd.grad(x.cumsum(-1), x, (dcq + dck)[..., :L].double())
-    got = _gate_grad(dcq, dck, L, dtype)
+    got = gate_grad(dcq, dck, L, dtype)
     assert got.dtype == dtype and got.shape == (2, 3, L)
     assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5)
 
@@ -133,7 +135,7 @@ def test_gate_grad_kernel_is_the_cumsum_adjoint(L, dtype):
 @pytest.mark.parametrize("decay", ["strong", "weak"])
 @pytest.mark.parametrize("L,D", [(1, 32), (17, 64), (45, 32)])
 def test_triton_matches_reference(L, D, decay, dtype, tol):
-    """I2: forward and all four gradients, odd L (padded tails), several tiles."""
+    """Forward and all four gradients against the reference, odd L (padded tails), several tiles."""
     q, k, v, log_fgate = make_inputs(2, 2, L, D, dtype, decay)
     o, grads, do = run(q, k, v, log_fgate, impl="triton")
     o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
@@ -141,13 +143,13 @@ def test_triton_matches_reference(L, D, decay, dtype, tol):
     check(o, grads, o_ref, grads_ref, tol)
 
 
-@pytest.mark.skipif(not fox._INTERPRET, reason="on a GPU the autotuned tiles run (test_gpu_*)")
+@pytest.mark.skipif(not interpreting(), reason="on a GPU the autotuned tiles run (test_gpu_*)")
 def test_triton_dq_subtile_differs(monkeypatch):
     """The backward's dQ loop with key sub-tiles twice the dK/dV loop's query sub-tiles (as the GPU's
     autotuned 32 / 64): 32-token tiles under the interpreter, so L = 70 crosses several of each."""
-    monkeypatch.setattr(fox, "_MAX_BLOCK", 32)
-    monkeypatch.setattr(fox, "_C_BLOCK", 32)
-    monkeypatch.setitem(fox._BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=32, BLOCK_LARGE=32))
+    monkeypatch.setattr(fox_triton, "MAX_BLOCK", 32)
+    monkeypatch.setattr(fox_triton, "C_BLOCK", 32)
+    monkeypatch.setitem(fox_triton.BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=32, BLOCK_LARGE=32))
     q, k, v, log_fgate = make_inputs(1, 2, 70, 32, decay="weak")
     o, grads, do = run(q, k, v, log_fgate, impl="triton")
     o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
@@ -167,7 +169,7 @@ def test_triton_scale_and_strides(L, D):
 
 
 def test_extremes():
-    """I4: f -> 0 gives O = V; a constant gate is ALiBi."""
+    """f -> 0 gives O = V; a constant gate is ALiBi (§3, "Connection to ALiBi")."""
     q, k, v, _ = make_inputs(1, 2, 20, 32)
     tiny_gate = torch.full((1, 2, 20), -1e4, device=DEV)
     assert torch.allclose(forgetting_attn(q, k, v, tiny_gate, impl="triton"), v, atol=1e-6)
@@ -183,7 +185,7 @@ def test_extremes():
 
 
 def test_causality():
-    """I5: inputs after position t change neither o_{<=t} nor its gradients."""
+    """Inputs after position t change neither o_{<=t} nor its gradients."""
     t, L = 21, 40
     q, k, v, log_fgate = make_inputs(1, 2, L, 32, decay="weak")
     inputs = [x.requires_grad_() for x in (q, k, v, log_fgate)]
@@ -213,7 +215,7 @@ def _naive_fp32_global_cumsum(q, k, v, log_fgate):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_large_cumsum_offset(impl):
-    """I3 / I10 on CPU: shifting c by 3e5 (|c| of log f ~ -5 at 64K tokens), here by changing
+    """Shifting c by 3e5 (|c| of log f ~ -5 at 64K tokens), here by changing
     only log f_1, changes neither O nor the gradients, d log f_1 = 0 (i.e. sum_t dc_t = 0);
     an fp32 global cumsum fails this by orders of magnitude."""
     q, k, v, log_fgate = make_inputs(1, 2, 50, 32, decay="strong")
@@ -234,7 +236,7 @@ def test_large_cumsum_offset(impl):
 
 @pytest.mark.parametrize("chunk", [1, 5])
 def test_decode_matches_parallel(chunk):
-    """I14 at kernel level: prefill, then decode `chunk` tokens at a time with an appended
+    """Prefill, then decode `chunk` tokens at a time with an appended
     (K, V, c) cache; every position equals the parallel op. log f_1 = -3e5 checks that the
     fp64 c cache keeps long-sequence precision too."""
     L, prefill = 23, 7
@@ -255,7 +257,7 @@ def test_decode_matches_parallel(chunk):
 
 
 def test_log_fgate_must_be_fp32():
-    """I9: a 16-bit log gate is rejected rather than silently upcast."""
+    """A 16-bit log gate is rejected rather than silently upcast."""
     q, k, v, log_fgate = make_inputs(1, 1, 8, 16, device="cpu")
     with pytest.raises(TypeError):
         forgetting_attn(q, k, v, log_fgate.bfloat16())
@@ -269,7 +271,7 @@ def test_log_fgate_must_be_fp32():
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("decay", ["strong", "mixed"])
 def test_gpu_real_shape_bf16(D, decay):
-    """I9: bf16 at L = 4096 against the fp32 reference (catches fp32-accumulation bugs)."""
+    """bf16 at L = 4096 against the fp32 reference (catches fp32-accumulation bugs)."""
     q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, decay)
     o, grads, do = run(q, k, v, log_fgate)
     o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
@@ -290,7 +292,7 @@ def test_gpu_odd_shapes(dtype, tol):
 
 @pytest.mark.gpu
 def test_gpu_long_sequence_precision():
-    """I10: L = 65536, log f ~ -5 (|c| ~ 3e5), bf16, against an fp64 reference on sampled rows
+    """L = 65536, log f ~ -5 (|c| ~ 3e5), bf16, against an fp64 reference on sampled rows
     whose bias is a local sum of log f over (j, i], never a difference of global cumsums."""
     L, D, H = 65536, 64, 32  # all heads are computed; head 0 is checked
     q, k, v, _ = make_inputs(1, H, L, D, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""Decoding with every layer's cache sharded over ranks (issue 8, tree_attention.md §10.14):
+"""Decoding with every layer's cache sharded over ranks (Tree Attention, arXiv:2408.04093 §5.2):
 greedy tokens and logits equal single-process decoding for every attention variant, with real
 gloo process groups; then sample.py under torchrun prints the same text as one process.
 
@@ -35,7 +35,7 @@ VARIANTS = {
 }
 # (prompt length, new tokens, prefill chunk): a prompt longer than one shard fed in chunks that
 # do not divide by the world size; and a one-token prompt, which leaves every rank but 0 empty,
-# then 32 greedy tokens (§10.14), stored round robin on every rank
+# then 32 greedy tokens, stored round robin on every rank
 CASES = [(20, 10, 7), (1, 32, None)]
 
 
@@ -86,8 +86,8 @@ def check_variant(name, rank, world, device, backend):
         # partition the positions fed so far (the last token is never fed)
         layer = cache.layers[0]
         total = T0 + n - 1
-        if layer.k.size(2) != -(-(T0 + n) // world) or layer.length != total:
-            fails.append(f"{case}: {layer.k.size(2)} rows, length {layer.length}")
+        if layer.capacity != -(-(T0 + n) // world) or layer.length != total:
+            fails.append(f"{case}: {layer.capacity} rows, length {layer.length}")
         held = [None] * world
         dist.all_gather_object(held, layer.key_positions().tolist(), group=group)
         if sorted(p for rows in held for p in rows) != list(range(total)):

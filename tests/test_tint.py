@@ -1,8 +1,7 @@
 """model/tint: TinT's reference update (two recipes) and the simulator, checked against each other.
 
 Everything runs in float64 on CPU with tiny auxiliary GPTs (D = 48, 4 heads, 2 layers, K = 16 prefix
-rows, S = 3, D_s = 192). I1 .. I14 label the invariants checked; section, appendix and definition
-numbers refer to TinT, arXiv:2307.01189.
+rows, S = 3, D_s = 192). Section, appendix and definition numbers refer to TinT, arXiv:2307.01189.
 """
 import math
 
@@ -89,7 +88,7 @@ def max_diff(a, b):
 @pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
 @pytest.mark.parametrize("opts", [{}, {"n_layers": 1}, {"n_steps": 2}], ids=["all", "top1", "steps2"])
 def test_reference_recipes_agree(style, opts):
-    """I1: the explicit backward and the surrogate-autograd recipe give the same update in fp64."""
+    """The explicit backward and the surrogate-autograd recipe give the same update in fp64."""
     model, idx = aux(style), tokens()
     a = tint_update(model, idx, N_TRAIN, lr=LR, method="explicit", **opts)
     b = tint_update(model, idx, N_TRAIN, lr=LR, method="autograd", **opts)
@@ -101,7 +100,7 @@ def test_reference_recipes_agree(style, opts):
 
 @pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_reference_lr_zero_is_the_model(style):
-    """I6 (reference): lr = 0 scores the test segment exactly as the unmodified model."""
+    """lr = 0 scores the test segment exactly as the unmodified model."""
     model, idx = aux(style), tokens()
     out = tint_reference(model, idx, N_TRAIN, lr=0.0)
     assert out.shape == (2, T - N_TRAIN, V)
@@ -132,7 +131,7 @@ def test_frozen_parameters_stay_frozen(style):
 
 
 def test_exact_options_equal_one_sgd_step():
-    """I2: attn_grad=full, exact norm/act gradients, update_set=all == one torch.optim.SGD step on the
+    """With attn_grad=full, exact norm/act gradients, update_set=all == one torch.optim.SGD step on the
     masked summed loss (embeddings frozen)."""
     model, idx = aux(), tokens(B=1)
     layers, final, _ = tint_update(model, idx, N_TRAIN, lr=LR, method="autograd", attn_grad="full",
@@ -154,7 +153,7 @@ def test_exact_options_equal_one_sgd_step():
 
 
 def test_top_layer_tends_to_exact_gradient():
-    """I3: with fd_eps -> 0 the top block's updates (except beta_1) and beta_f equal the exact ones."""
+    """With fd_eps -> 0 the top block's updates (except beta_1) and beta_f equal the exact ones."""
     model, idx = aux(), tokens()
     fd = flat_update(model, *tint_update(model, idx, N_TRAIN, lr=LR, fd_eps=1e-6))
     exact = flat_update(model, *tint_update(model, idx, N_TRAIN, lr=LR, method="autograd", attn_grad="full",
@@ -168,7 +167,7 @@ def test_top_layer_tends_to_exact_gradient():
 
 
 def test_update_ignores_the_test_segment():
-    """I4: tokens after the training segment do not change the update (reference and simulator)."""
+    """Tokens after the training segment do not change the update (reference and simulator)."""
     model, idx = aux(), tokens()
     idx2 = idx.clone()
     idx2[:, N_TRAIN:] = (idx2[:, N_TRAIN:] + 5) % V
@@ -184,7 +183,7 @@ def test_update_ignores_the_test_segment():
 
 
 def test_update_is_linear_in_lr():
-    """I5: one step, delta(alpha lr) = alpha delta(lr)."""
+    """One step: delta(alpha lr) = alpha delta(lr)."""
     model, idx = aux(), tokens()
     a = flat_update(model, *tint_update(model, idx, N_TRAIN, lr=LR))
     b = flat_update(model, *tint_update(model, idx, N_TRAIN, lr=4 * LR))
@@ -193,7 +192,7 @@ def test_update_is_linear_in_lr():
 
 
 def test_label_mask():
-    """I14: lambda == 1 is the full-context loss; a single-1 mask gives the one-token update (both recipes
+    """lambda == 1 is the full-context loss; a single-1 mask gives the one-token update (both recipes
     agree on it), and with exact gradients the one-token updates add up to the full one. (TinT's own
     update is not additive: the finite differences are nonlinear in the upstream gradient, O(fd_eps).)"""
     model, idx = aux(), tokens()
@@ -228,7 +227,7 @@ def test_dyn_eval_baselines_run():
 SIM_CASES = {
     "gpt2": ({}, {}),
     "gpt2_top1": ({}, {"n_layers": 1}),
-    "gpt2_steps2": ({}, {"n_steps": 2}),                                 # I12
+    "gpt2_steps2": ({}, {"n_steps": 2}),
     "gpt2_no_bias": ({"bias": False}, {}),
     "gpt2_padded_mlp_no_pos": ({"mlp_hidden": 100, "pos": "none"}, {}),   # 3 FFN chunks, the last zero-padded
     # LLaMA style (our extension of App. I): group-RMSNorm, GLU primitive, RoPE in the softmax heads; S = 4
@@ -240,7 +239,7 @@ SIM_CASES = {
 
 @pytest.mark.parametrize("case", SIM_CASES)
 def test_simulator_equals_reference(case):
-    """I7 / I12: the simulator's logits and its updated weights (read back from the PrefixMemory) equal
+    """The simulator's logits and its updated weights (read back from the PrefixMemory) equal
     the reference update's."""
     model_kw, opts = SIM_CASES[case]
     style = {**GPT2, **model_kw}
@@ -261,7 +260,7 @@ def test_simulator_equals_reference(case):
 
 @pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_simulator_fp32(style):
-    """I7 in fp32: the eps_fd = 1e-3 finite differences lose ~1e-4 relative; the fp32 tolerance is 1e-3
+    """In fp32: the eps_fd = 1e-3 finite differences lose ~1e-4 relative; the fp32 tolerance is 1e-3
     on the logits."""
     model, idx = aux(style).float(), tokens()
     out = TinT.from_model(model, lr=LR)(idx, N_TRAIN)
@@ -280,7 +279,7 @@ def test_simulator_label_mask():
 
 @pytest.mark.parametrize("style", [GPT2, LLAMA], ids=["gpt2", "llama"])
 def test_simulator_lr_zero_is_the_model(style):
-    """I6: lr = 0, the simulator's logits (every position) equal the auxiliary model's."""
+    """lr = 0: the simulator's logits (every position) equal the auxiliary model's."""
     model, idx = aux(style), tokens()
     sim = TinT.from_model(model, lr=0.0)
     out = sim(idx, N_TRAIN, return_all_logits=True)
@@ -289,7 +288,7 @@ def test_simulator_lr_zero_is_the_model(style):
 
 
 def test_weights_are_data():
-    """I8: one simulator instance, auxiliary A then B loaded: outputs follow Ref(A) then Ref(B), and the
+    """One simulator instance, auxiliary A then B loaded: outputs follow Ref(A) then Ref(B), and the
     simulator's own parameters never change."""
     a, b, idx = aux(seed=0), aux(seed=3), tokens()
     sim = TinT.from_model(a, lr=LR)
@@ -305,7 +304,7 @@ def test_weights_are_data():
 
 
 def test_batch_independence():
-    """I11: a batch equals its sequences run one at a time (each sequence has its own prefix rows)."""
+    """A batch equals its sequences run one at a time (each sequence has its own prefix rows)."""
     model, idx = aux(), tokens(B=3)
     sim = TinT.from_model(model, lr=LR)
     out = sim(idx, N_TRAIN)
@@ -314,7 +313,7 @@ def test_batch_independence():
 
 
 def test_side_channels_are_copy_only():
-    """I13: what a module reads from a side channel is bitwise what an earlier module wrote; the
+    """What a module reads from a side channel is bitwise what an earlier module wrote; the
     channel class has no method besides put/get; and the Q/K prefixes, gains and lower layers come back
     unchanged (frozen)."""
     public = {n for n in vars(SideChannel) if not n.startswith("_")}
@@ -360,7 +359,7 @@ def test_side_channels_are_copy_only():
 
 
 def test_parameter_count_formula():
-    """I10: the simulator's parameter count is tint_param_formula's exact integer; the paper's Table 1
+    """The simulator's parameter count is tint_param_formula's exact integer; the paper's Table 1
     formula gives 0.431 / 0.424 / 0.421 b for OPT-125m (Table 1 prints 0.4 b each)."""
     for style, opts in [(GPT2, {}), ({**GPT2, "bias": False}, {"n_layers": 1}), (LLAMA, {})]:
         sim = TinT.from_model(aux(style), lr=LR, **opts)
@@ -385,7 +384,7 @@ def test_simulator_rejects_unsupported_models():
         SimConfig(**{**UNIT, "n_embd": 21, "n_head": 3, "head_dim": 7, "mlp_hidden": 21, "pos": "rope"})
 
 
-# ---------------------------------------------------------------------------- module unit tests (I9)
+# ---------------------------------------------------------------------------- module unit tests
 
 def test_three_pass_permutation():
     """A random partial permutation of a 6 x 8 grid (with weights) through dim -> split -> dim stages."""

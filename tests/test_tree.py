@@ -3,7 +3,7 @@
 Multi-process tests use real process groups (gloo on CPU, NCCL on GPUs) started with
 torch.multiprocessing.spawn. Spawning costs seconds, so each world size is spawned once and runs
 every check; one pytest test per (check, world size) then reports that check's outcome.
-References are dense fp64 attention over the concatenated cache (tree_attention.md §10).
+References are dense fp64 attention over the concatenated cache.
 """
 import datetime
 import functools
@@ -23,8 +23,9 @@ from torch.utils._pytree import tree_flatten
 import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail, not skip)
 
 from kernels import tree
-from kernels.tree import (COMBINES, allgather_decode, attn_partial, castle_bias, castle_update,
-                          fox_bias, mask_bias, ring_decode, sharded_cumsum, tree_decode)
+from kernels.castle import CastleCache, castle_decode, castle_prefill
+from kernels.tree import (COMBINES, allgather_decode, attn_partial, fox_bias, mask_bias, ring_decode,
+                          sharded_cumsum, tree_decode)
 
 
 # ----------------------------------------------------------------------------- references
@@ -80,7 +81,7 @@ class Ctx:
     def same_everywhere(self, name, x):
         """Every rank holds a bitwise-identical x (a collective)."""
         x = x.float()
-        all_x = tree._all_gather(x, None)
+        all_x = tree.all_gather(x, None)
         if not all(torch.equal(all_x[r], x) for r in range(self.world)):
             self.fails.append(f"{name}: ranks differ")
 
@@ -227,7 +228,7 @@ def check_fox(c):
 
 
 def castle_reference(qc, kc, vc, qu, ku, vu, t, window):
-    """Single-device CASTLE output at position t from its definition (castle.md §1.3-1.4), fp64."""
+    """Single-device CASTLE output at position t from its definition (arXiv:2509.07301 eqs (3)-(8)), fp64."""
     qc, kc, vc, qu, ku, vu = (x.double() for x in (qc, kc, vc, qu, ku, vu))
     d = qc.shape[-1]
     s, j = torch.arange(t + 1).unsqueeze(-1), torch.arange(t + 1)
@@ -240,34 +241,26 @@ def castle_reference(qc, kc, vc, qu, ku, vu, t, window):
 
 
 def check_castle(c):
-    """CASTLE / CASTLE-SWL: every rank updates the lookahead keys of its own rows, the owner
-    appends; the sharded decode equals the single-device definition at every step."""
+    """CASTLE / CASTLE-SWL through kernels.castle's sharded cache: the prompt prefilled into every
+    rank's round-robin share (a one-token prompt leaves all but rank 0 empty), then every rank adds
+    each new token to the lookahead keys of its own rows and the owner stores it; the merged decode
+    equals the single-device definition at every step, and each rank holds exactly its rows."""
     gen = c.gen(7)
-    B, H, d, P, T = 2, 2, 8, 6, 6
-    qc, kc, vc, qu, ku, vu = (randn(gen, B, H, P + T, d) for _ in range(6))
-    for window in (None, 3):
-        # single-device prefill of positions < P, scattered contiguously (some ranks empty)
-        b = bounds(P, c.world, gen, "random")
-        pos = torch.arange(b[c.rank], b[c.rank + 1])
-        s, j = pos.unsqueeze(-1), torch.arange(P)
-        keep = (s < j) & ((j <= s + window) if window is not None else True)
-        sig = torch.sigmoid(qu[:, :, pos] @ ku[:, :, :P].transpose(-1, -2) / d ** 0.5) * keep
-        cache = dict(u=sig @ vu[:, :, :P], qu=qu[:, :, pos], kc=kc[:, :, pos], vc=vc[:, :, pos], pos=pos)
-        cache = {name: x.to(c.device) for name, x in cache.items()}
-        for t in range(P, P + T):
-            new = {name: x[:, :, t:t + 1].to(c.device) for name, x in
-                   dict(qc=qc, kc=kc, vc=vc, qu=qu, ku=ku, vu=vu).items()}
-            castle_update(cache["u"], cache["qu"], new["ku"], new["vu"], pos=t, k_pos=cache["pos"],
-                          window=window)
-            if t % c.world == c.rank:  # round-robin owner of the new position
-                cache["u"] = torch.cat([cache["u"], torch.zeros_like(new["vu"])], 2)
-                for name in ("qu", "kc", "vc"):
-                    cache[name] = torch.cat([cache[name], new[name]], 2)
-                cache["pos"] = torch.cat([cache["pos"], torch.tensor([t], device=c.device)])
-            o = tree_decode(new["qc"], cache["kc"], cache["vc"],
-                            bias_local=castle_bias(new["qc"], cache["u"]))
-            want = castle_reference(qc, kc, vc, qu, ku, vu, t, window)
-            c.close(f"window={window} t={t}", o, want, 1e-5)
+    B, H, d = 2, 2, 8
+    for P, T in ((6, 6), (1, 5)):
+        qc, kc, vc, qu, ku, vu = (randn(gen, B, H, P + T, d) for _ in range(6))
+        xs = c.to(qc, kc, vc, qu, ku, vu)
+        for window in (None, 3):
+            cache = CastleCache(B, H, d, max_len=P + T, dtype=qc.dtype, device=c.device, window=window,
+                                group=dist.group.WORLD)
+            castle_prefill(*(x[:, :, :P] for x in xs), cache=cache)
+            for t in range(P, P + T):
+                o, _ = castle_decode(cache, *(x[:, :, t:t + 1] for x in xs))
+                want = castle_reference(qc, kc, vc, qu, ku, vu, t, window)
+                c.close(f"P={P} window={window} t={t}", o, want, 1e-5)
+            mine = torch.arange(c.rank, P + T, c.world)
+            if not (torch.equal(cache.kc.cpu(), kc[:, :, mine]) and torch.equal(cache.key_positions().cpu(), mine)):
+                c.fails.append(f"P={P} window={window}: rank {c.rank} holds other rows than {mine.tolist()}")
 
 
 class CommLog(CommDebugMode):
@@ -289,8 +282,8 @@ class CommLog(CommDebugMode):
 
 
 def budget(combine, rows, d, p):
-    """The collectives of one tree_decode (tree_attention.md §2.2, §5), fp32 whatever the input
-    dtype. rows = (B, Hq, n) is the spec's [b, n, H_q]; den keeps a trailing 1 to divide num."""
+    """The collectives of one tree_decode (arXiv:2408.04093 §5.2, Algorithm 3, and our two variants), fp32
+    whatever the input dtype. rows = (B, Hq, n) is the paper's [b, n, H_q]; den keeps a trailing 1 to divide num."""
     f32 = torch.float32
     ar_max = ("allreduce_", "MAX", ((rows, f32),))
     if combine == "paper":
@@ -305,7 +298,7 @@ def budget(combine, rows, d, p):
 
 def check_budget(c):
     """Exactly the configured collectives per call (counted by CommDebugMode, and logged with the
-    spec's payload shapes and fp32 dtype): plain decode, a GQA chunk of n = 3 queries with an empty
+    paper's payload shapes and fp32 dtype): plain decode, a GQA chunk of n = 3 queries with an empty
     shard on rank 0, bf16 MQA."""
     gen = c.gen(8)
     for B, Hq, Hkv, n, d, t, dtype in [(2, 4, 2, 1, 16, 9, torch.float32),
@@ -451,7 +444,7 @@ def test_triton_matches_torch(B, Hq, Hkv, n, D, L, splits, dtype):
     bias = torch.randn(B, 1, 1, L, device=DEVICE).expand(B, Hq, n, L).clone()
     bias[..., :2] = float("-inf")
     bias[0, 0, 0] = float("-inf")
-    o, lse = tree._attn_partial_triton(q, k, v, D ** -0.5, bias, num_splits=splits)
+    o, lse = tree.attn_partial_triton(q, k, v, D ** -0.5, bias, num_splits=splits)
     want_o, want_l = ref_attn(q.cpu(), k.cpu(), v.cpu(), bias.cpu())
     tol = 1e-5 if dtype == torch.float32 else 1e-3  # 16-bit: P is rounded before P @ V
     assert (o[0, 0, 0] == 0).all() and lse[0, 0, 0] == tree.NEG

@@ -1,0 +1,416 @@
+"""CASTLE inference: the UQ-KV cache (CastleCache), prefill and one-position decode steps, and the
+decode kernels. CASTLE (arXiv:2509.07301) §2.4 and Appendix 9: eq (13) updates the lookahead keys, eqs
+(5)-(8) score the cached positions, Algorithm 4 prefills.
+
+    castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None, cache=None)
+        -> (out, cache): attention over a prompt and the cache after it.
+    castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto") -> (out, cache): one position, in place.
+
+A cache made with a process group holds only this rank's positions (round robin, RoundRobinRows); every
+rank runs the same tokens, and a decode step merges the ranks' partial attention exactly by tree attention
+(kernels/tree.py). Without a group it holds every position, and a step runs in PyTorch ops or as one
+Triton kernel.
+"""
+import torch
+import torch.nn.functional as F
+
+from kernels.castle.reference import blockwise_forward, check_inputs, to_blocks
+from kernels.castle.triton import default_config, triton_forward
+from kernels.sdpa import decode_sdpa
+from kernels.tree import RoundRobinRows, tree_decode
+from kernels.triton_utils import at_least_fp32, interpreting, padded_head_dim, require_triton, tl, triton
+
+if triton is not None:
+    from kernels.triton_utils import LOG2E
+
+
+def _grown(buf, filled, rows):
+    """A fresh (..., rows, D) buffer holding the first `filled` rows of buf; the rest is uninitialised."""
+    new = buf.new_empty(*buf.shape[:-2], rows, buf.shape[-1])
+    new[..., :filled, :] = buf[..., :filled, :]
+    return new
+
+
+def _doubled(rows):
+    return max(2 * rows, 16)
+
+
+class CastleCache(RoundRobinRows):
+    """UQ-KV cache of one CASTLE layer (§2.4): lookahead keys U, lookahead queries Q^U, causal keys and
+    values K^C, V^C of the positions this rank holds: every position without a process group (row j is
+    position j), position j on rank j % p at local row j // p with a group of p ranks.
+
+    The tensors live in preallocated (B, H, rows, D) buffers, max_len positions' worth to begin with: a
+    decode step writes the new position in place and doubles a buffer only when it is full (amortised O(1)
+    copies per step). Read the filled part through the views u, qu, kc, vc; a view taken before a step
+    that grows a buffer goes stale.
+
+    u_buf:  lookahead keys U, fp32 (fp64 for fp64 inputs); the newest position's row is zero (eq (13)).
+    kc_buf, vc_buf: causal keys and values, input dtype.
+    qu_buf: lookahead queries Q^U, input dtype, holding only the rows read again, i.e. the owners the next
+            token reaches (eq (13): every earlier position for CASTLE, the last W for SWL; of these, the
+            ones held here), at rows [qu_end - n, qu_end). When full, it moves the rows still needed to
+            the front if they fill at most half of it, else it doubles: SWL's stays under max(4W, 16)
+            rows, CASTLE's grows like the others.
+    length: positions of all ranks; window, scale: CASTLE-SWL's W (None: CASTLE) and the logit scale.
+    """
+
+    def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None):
+        super().__init__(group, device)
+        rows = self.max_rows(max_len)
+        self.u_buf = torch.empty(batch, heads, rows, head_dim, dtype=at_least_fp32(dtype), device=device)
+        self.kc_buf, self.vc_buf = (torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device)
+                                    for _ in range(2))
+        qu_rows = rows if window is None else min(rows, 2 * window)
+        self.qu_buf = torch.empty(batch, heads, qu_rows, head_dim, dtype=dtype, device=device)
+        self.qu_end = 0
+        self.window = window
+        self.scale = head_dim ** -0.5 if scale is None else float(scale)
+
+    @property
+    def capacity(self):
+        """Local rows the U, K^C, V^C buffers hold before they grow."""
+        return self.kc_buf.shape[-2]
+
+    def owners(self, t):
+        """How many positions before position t have a lookahead key that token t adds to (eq 13)."""
+        return t if self.window is None else min(t, self.window)
+
+    def _owner_rows(self, t):
+        """How many of the owners of token t are held here (the last rows before position t)."""
+        return self.rows_before(t) - self.rows_before(t - self.owners(t))
+
+    @property
+    def u(self):
+        return self.u_buf[..., : self.n_local, :]
+
+    @property
+    def kc(self):
+        return self.kc_buf[..., : self.n_local, :]
+
+    @property
+    def vc(self):
+        return self.vc_buf[..., : self.n_local, :]
+
+    @property
+    def qu(self):
+        """Q^U of the owners the next token reaches that are held here."""
+        return self.qu_buf[..., self.qu_end - self._owner_rows(self.length): self.qu_end, :]
+
+    def reserve(self, rows):
+        """Room for `rows` local rows in the U, K^C, V^C buffers: a full buffer doubles (or grows to rows)."""
+        if rows > self.capacity:
+            n, new_rows = self.n_local, max(rows, _doubled(self.capacity))
+            self.u_buf, self.kc_buf, self.vc_buf = (_grown(b, n, new_rows)
+                                                    for b in (self.u_buf, self.kc_buf, self.vc_buf))
+
+    def _qu_keep(self):
+        """How many older Q^U rows held here are still read after position `length` is added; -1 when not
+        even the new one is (SWL with W = 0 keeps no Q^U at all)."""
+        t = self.length
+        return self.rows_before(t) - self.rows_before(t + 1 - self.owners(t + 1))
+
+    def qu_slot(self):
+        """The Q^U row that position `length` goes to if it fits without moving rows, else None (also when
+        no Q^U row is kept)."""
+        if self._qu_keep() < 0 or self.qu_end == self.qu_buf.shape[-2]:
+            return None
+        return self.qu_end
+
+    def push_qu(self, qu, written):
+        """Record position `length`'s q^U (B, H, 1, D) on the rank that holds the position; `written`:
+        already stored at qu_slot() (by the decode kernel). A full buffer first moves the rows still needed
+        to the front if they fill at most half of it, else it doubles."""
+        keep = self._qu_keep()
+        if keep < 0:
+            return
+        end = self.qu_end
+        if not written:
+            if end == self.qu_buf.shape[-2]:
+                if 0 < end and 2 * keep <= end:                # slide: the kept rows fit in the first half
+                    self.qu_buf[..., :keep, :] = self.qu_buf[..., end - keep: end, :]
+                    self.qu_end = end = keep
+                else:
+                    self.qu_buf = _grown(self.qu_buf, end, _doubled(end))
+            self.qu_buf[..., end: end + 1, :] = qu
+        self.qu_end = end + 1
+
+    def add_lookahead(self, ku, vu):
+        """Eq (13): the new token (k^U, v^U of position `length`, (B, H, 1, D)) joins the lookahead key of
+        every owner it reaches that is held here: u_j += sigmoid(s q^U_j . k^U_t) v^U_t. In place."""
+        owners = self.qu
+        n = owners.shape[-2]
+        if n:
+            cdt, end = self.u_buf.dtype, self.n_local
+            w = torch.sigmoid(self.scale * (owners @ ku.mT).to(cdt))                # (B, H, n, 1)
+            self.u_buf[..., end - n: end, :].addcmul_(w, vu.to(cdt))
+
+    def append(self, qu, kc, vc):
+        """Store position `length` on the rank that holds it: u = 0 (eq (13)), and q^U, k^C, v^C given as
+        (B, H, 1, D); every rank counts it. Call after add_lookahead (which reads the owners' Q^U)."""
+        t = self.length
+        if self.owns(t):
+            row = self.n_local
+            self.reserve(row + 1)
+            self.u_buf[..., row, :] = 0
+            self.kc_buf[..., row: row + 1, :] = kc
+            self.vc_buf[..., row: row + 1, :] = vc
+            self.push_qu(qu, written=False)
+        self.length = t + 1
+
+    def lookahead_bias(self, qc):
+        """The lookahead part of the logits of query q^C (B, H, 1, D) for every cached position held here,
+        -SiLU(s q^C . u_j) (eqs (6), (7)): (B, H, 1, n_local) in U's dtype."""
+        return -F.silu(self.scale * (qc.to(self.u_buf.dtype) @ self.u.mT))
+
+    def extend(self, u, qu, kc, vc):
+        """Append positions length .. length + T - 1 given as whole (B, H, T, D) tensors; the rank keeps
+        its rows. u holds their lookahead keys as they stand after the last of them: extend fills a cache
+        (castle_prefill, a benchmark's synthetic one), it does not add these positions to the keys of
+        earlier ones."""
+        T = kc.shape[-2]
+        start, end = self.length, self.length + T
+        chunk, rows = self.local_rows(start, T)
+        self.reserve(rows.stop)
+        for buf, x in ((self.u_buf, u), (self.kc_buf, kc), (self.vc_buf, vc)):
+            buf[..., rows, :] = x[..., chunk, :]
+        # Q^U rows the next token reaches: the newest of those cached before and of this chunk's
+        n, new = self._owner_rows(end), qu[..., chunk, :]
+        older = n - new.shape[-2]
+        if older <= 0:
+            kept = new[..., new.shape[-2] - n:, :]
+        else:
+            kept = torch.cat([self.qu[..., self.qu.shape[-2] - older:, :], new], dim=-2)
+        if n > self.qu_buf.shape[-2]:
+            self.qu_buf = _grown(self.qu_buf, 0, n)
+        self.qu_buf[..., :n, :] = kept
+        self.qu_end, self.length = n, end
+
+
+def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None, cache=None):
+    """Attention over a prompt of L positions (B, H, L, D) and the UQ-KV cache after it (Algorithm 4). The
+    block forward (Triton on CUDA, blockwise PyTorch otherwise) also folds the last block into its U state,
+    which then is U^L: Algorithm 4's U for free. max_len: positions (prompt included) to preallocate the
+    cache for; decoding past it still works (the buffers double). cache: an empty CastleCache to fill
+    instead of a new one (window, scale and max_len are then its own); with a process group every rank
+    computes the whole prompt and keeps its rows."""
+    if cache is not None and (cache.length or (window, scale, max_len) != (None, None, None)):
+        raise ValueError("castle_prefill(cache=...) fills an empty cache, with the window, scale and capacity "
+                         "it was made with; pass a fresh cache and no window, scale or max_len")
+    check_inputs(qc, kc, vc, qu, ku, vu, window if cache is None else cache.window)
+    B, H, L, D = qc.shape
+    if cache is None:
+        cache = CastleCache(B, H, D, max_len=max(L, max_len or 0), dtype=qc.dtype, device=qc.device,
+                            window=window, scale=scale)
+    window, scale = cache.window, cache.scale
+    cdt = at_least_fp32(qc.dtype)
+    if L == 0:
+        out, u = torch.empty_like(qc), qc.new_zeros(B, H, 0, D, dtype=cdt)
+    elif qc.is_cuda and triton is not None and qc.dtype != torch.float64:
+        cfg = default_config(padded_head_dim(D), qc.dtype)
+        out, _, u = triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L)
+        u = u.view(B, H, -1, u.shape[-1])[:, :, :L, :D]
+    else:
+        bs = 64
+        blocks = [to_blocks(t.to(cdt), bs) for t in (qc, kc, vc, qu, ku, vu)]
+        out, _, u = blockwise_forward(*blocks, window, scale, bs, keep_last=True)
+        out, u = out.flatten(2, 3)[:, :, :L].to(qc.dtype), u.flatten(2, 3)[:, :, :L]
+    cache.extend(u, qu, kc, vc)
+    return out, cache
+
+
+def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
+    """One new position (B, H, 1, D) -> (out, cache), eqs (5)-(8) and (13), O(T d) for T cached positions.
+
+    The cache is updated in place (and returned): eq (13) adds the token to the lookahead keys of the
+    owners it reaches (every cached row for CASTLE, the last W for SWL; older rows are not touched),
+    then the position's own rows are written, then every cached position is scored.
+
+    impl: "triton" does the whole step in two launches (_decode_triton), fp32 math on the cached
+    operands; "torch" in PyTorch ops, the causal part through SDPA with the per-key bias -SiLU(s q^C u_j^T)
+    (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul); with a
+    process group, tree attention over the ranks' rows with that bias in fp32 (torch only); "auto" takes
+    "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded."""
+    check_inputs(qc, kc, vc, qu, ku, vu, cache.window)
+    if qc.shape[-2] != 1:
+        raise ValueError(f"castle_decode takes one position at a time, got {qc.shape[-2]}; "
+                         "feed a longer prompt to castle_prefill")
+    held = cache.kc_buf
+    if (qc.shape[:2], qc.shape[-1], qc.device) != (held.shape[:2], held.shape[-1], held.device):
+        raise ValueError(f"the new position is (B, H, 1, D) = {tuple(qc.shape)} on {qc.device}, but the cache "
+                         f"holds (B, H, D) = {(*held.shape[:2], held.shape[-1])} on {held.device}; decode with "
+                         "the cache castle_prefill made for this layer and batch")
+    if impl not in ("auto", "torch", "triton"):
+        raise ValueError(f"impl={impl!r} is unknown; choose auto, torch or triton")
+    if impl == "auto":
+        tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
+        fused = qc.is_cuda and triton is not None and qc.dtype != torch.float64 and not tracked
+        impl = "triton" if fused and cache.world == 1 else "torch"
+    if impl == "triton":
+        return _decode_triton(cache, qc, kc, vc, qu, ku, vu), cache
+    cache.add_lookahead(ku, vu)                                              # eq (13)
+    cache.append(qu, kc, vc)
+    bias = cache.lookahead_bias(qc)                                          # eqs (6), (7)
+    if cache.world == 1:
+        out = decode_sdpa(qc, cache.kc, cache.vc, attn_mask=_sdpa_mask(bias, qc.dtype), scale=cache.scale)
+    else:
+        out = tree_decode(qc, cache.kc, cache.vc, group=cache.group, scale=cache.scale, bias_local=bias)
+    return out, cache                                                        # eqs (5), (7), (8)
+
+
+def _sdpa_mask(bias, dtype):
+    """bias as an SDPA attn_mask in the query's dtype whose rows start 16-element aligned, as the
+    memory-efficient CUDA kernel wants them (else SDPA copies the mask into a padded buffer itself, with a
+    warning)."""
+    n = bias.shape[-1]
+    return bias.new_empty(*bias.shape[:-1], -(-n // 16) * 16, dtype=dtype)[..., :n].copy_(bias)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The fused decode step (one rank's whole cache)
+
+if triton is not None:
+    @triton.jit(do_not_specialize=["t", "n_owners", "qu_shift", "qu_row", "per_split"])
+    def _castle_decode_kernel(
+        U, QUB, KCB, VCB, PART, QC, sqc_b, sqc_h, KC, skc_b, skc_h, VC, svc_b, svc_h, QU, squ_b, squ_h,
+        KU, sku_b, sku_h, VU, svu_b, svu_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split,
+        scale: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
+    ):
+        """Program (head bh, split): cached positions [split * per_split, ...) of the new position t, BT at
+        a time. Owners j (t - n_owners <= j < t) take the token into their lookahead key, u_j += sigma(s
+        q^U_j . k^U_t) v^U_t (eq 13, written back in place); then every position's score s q^C_t . k^C_j -
+        SiLU(s q^C_t . u_j) (eqs 5-7) enters an online softmax whose state (m, l, acc), in log2 units, goes
+        to PART for _castle_decode_combine_kernel (split-K over positions, as flash-decoding does). The
+        split holding t writes the position's rows: u_t = 0, k^C_t, v^C_t, and q^U_t at qu_row (if >= 0).
+        U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH, qu_rows, D), position j at row
+        j - qu_shift; the new position's six vectors come with their own (batch, head) strides (views of
+        the model's projections, some rotated, need no copy)."""
+        bh = tl.program_id(0)
+        split = tl.program_id(1)
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        qc = _head_vector(QC, sqc_b, sqc_h, bh, H, offs_d, dmask).to(tl.float32) * scale
+        kc_t = _head_vector(KC, skc_b, skc_h, bh, H, offs_d, dmask).to(tl.float32)
+        vc_t = _head_vector(VC, svc_b, svc_h, bh, H, offs_d, dmask).to(tl.float32)
+        ku_t = _head_vector(KU, sku_b, sku_h, bh, H, offs_d, dmask).to(tl.float32) * scale
+        vu_t = _head_vector(VU, svu_b, svu_h, bh, H, offs_d, dmask).to(tl.float32)
+        c_base = bh.to(tl.int64) * cap * HEAD_DIM
+        q_base = bh.to(tl.int64) * qu_rows * HEAD_DIM
+
+        start = split * per_split
+        end = tl.minimum(start + per_split, t + 1)
+        m = tl.full([1], float("-inf"), dtype=tl.float32)
+        l = tl.zeros([1], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        j0 = start
+        while j0 < end:
+            j = j0 + tl.arange(0, BT)
+            cached = (j < t)[:, None] & dmask[None, :]
+            ptr = c_base + j[:, None] * HEAD_DIM + offs_d[None, :]
+            u = tl.load(U + ptr, mask=cached, other=0.0)
+            if (j0 + BT > t - n_owners) & (j0 < t):
+                owner = ((j >= t - n_owners) & (j < t))[:, None] & dmask[None, :]
+                qu = tl.load(QUB + q_base + (j - qu_shift)[:, None] * HEAD_DIM + offs_d[None, :], mask=owner,
+                             other=0.0).to(tl.float32)
+                w = tl.sigmoid(tl.sum(qu * ku_t[None, :], 1))                             # eq (13)
+                u = tl.where(owner, u + w[:, None] * vu_t[None, :], u)
+                tl.store(U + ptr, u, mask=owner)
+            new = (j == t)[:, None]
+            kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
+            vc = tl.where(new, vc_t[None, :], tl.load(VCB + ptr, mask=cached, other=0.0).to(tl.float32))
+            s_u = tl.sum(qc[None, :] * u, 1)                                                # eq (6)
+            sc = (tl.sum(qc[None, :] * kc, 1) - s_u * tl.sigmoid(s_u)) * LOG2E             # eqs (5), (7)
+            sc = tl.where(j < end, sc, float("-inf"))
+            m_new = tl.maximum(m, tl.max(sc, 0))
+            p = tl.exp2(sc - m_new)
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 0)
+            acc = acc * alpha + tl.sum(p[:, None] * vc, 0)
+            m = m_new
+            j0 += BT
+        if (start <= t) & (t < end):                     # the new position's own rows (eq (13))
+            row = c_base + t * HEAD_DIM + offs_d
+            tl.store(U + row, tl.zeros([BLOCK_D], dtype=tl.float32), mask=dmask)
+            tl.store(KCB + row, kc_t.to(KCB.dtype.element_ty), mask=dmask)
+            tl.store(VCB + row, vc_t.to(VCB.dtype.element_ty), mask=dmask)
+            if qu_row >= 0:
+                qu_t = _head_vector(QU, squ_b, squ_h, bh, H, offs_d, dmask)
+                tl.store(QUB + q_base + qu_row * HEAD_DIM + offs_d, qu_t, mask=dmask)
+        part = PART + (bh * tl.num_programs(1) + split).to(tl.int64) * (BLOCK_D + 2)
+        tl.store(part + offs_d, acc)
+        tl.store(part + BLOCK_D + tl.arange(0, 1), m)
+        tl.store(part + BLOCK_D + 1 + tl.arange(0, 1), l)
+
+    @triton.jit
+    def _head_vector(X, stride_b, stride_h, bh, H, offs_d, dmask):
+        """The (D,) vector of head bh of a (B, H, 1, D) tensor with unit stride in D."""
+        return tl.load(X + (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h + offs_d,
+                       mask=dmask, other=0.0)
+
+    @triton.jit
+    def _castle_decode_combine_kernel(PART, OUT, splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_S: tl.constexpr):
+        """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of head program_id(0)."""
+        bh = tl.program_id(0)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, BLOCK_D)
+        part = PART + (bh * splits + offs_s).to(tl.int64) * (BLOCK_D + 2)
+        smask = offs_s < splits
+        m = tl.load(part + BLOCK_D, mask=smask, other=float("-inf"))
+        l = tl.load(part + BLOCK_D + 1, mask=smask, other=0.0)
+        acc = tl.load(part[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0)
+        w = tl.exp2(m - tl.max(m, 0))
+        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        tl.store(OUT + bh.to(tl.int64) * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_DECODE_PROGRAMS_PER_SM = 4
+
+
+def _decode_tiles(positions, heads, block_d, device):
+    """(rows per tile, positions per split, splits) of a decode step: enough programs to fill the GPU,
+    each a whole number of row tiles of 4096 elements, 2 warps each: of the tiles a sweep over 16-128 rows
+    and 2-8 warps timed (CASTLE and SWL, D = 64 and 128, long contexts), the one never far from the fastest,
+    where others took up to twice as long at some shapes. Under the interpreter 16-row tiles and 4 "SMs", so
+    that tiny tests cross tiles and splits."""
+    if interpreting():
+        rows, sms = 16, 4
+    else:
+        rows, sms = 4096 // block_d, torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(positions, rows), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
+    per_split = triton.cdiv(triton.cdiv(positions, splits), rows) * rows
+    return rows, per_split, triton.cdiv(positions, per_split)
+
+
+def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
+    """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax) and
+    the combine; the cache's bookkeeping stays on the host."""
+    require_triton("castle_decode(impl='triton')", "use impl='torch'")
+    if cache.world > 1:
+        raise ValueError("castle_decode(impl='triton') takes a cache without a process group; a sharded cache "
+                         "decodes with impl='torch' (or 'auto')")
+    if qc.dtype == torch.float64:
+        raise ValueError("castle_decode(impl='triton') computes in fp32; for fp64 inputs use impl='torch'")
+    cache.reserve(cache.length + 1)
+    if not all(b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
+        raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
+                         "CastleCache make them); use impl='torch' for others")
+    xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
+    B, H, _, D = qc.shape
+    block_d = padded_head_dim(D)
+    t, n = cache.length, cache.owners(cache.length)
+    slot = cache.qu_slot()
+    rows, per_split, splits = _decode_tiles(t + 1, B * H, block_d, qc.device)
+    part = torch.empty(B * H, splits, block_d + 2, dtype=torch.float32, device=qc.device)
+    _castle_decode_kernel[(B * H, splits)](
+        cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
+        H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
+        -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
+        num_warps=2,
+    )
+    cache.push_qu(qu, written=slot is not None)
+    cache.length = t + 1
+    out = torch.empty(B, H, 1, D, dtype=qc.dtype, device=qc.device)
+    _castle_decode_combine_kernel[(B * H,)](part, out, splits, HEAD_DIM=D, BLOCK_D=block_d,
+                                            BLOCK_S=triton.next_power_of_2(splits))
+    return out
