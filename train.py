@@ -207,10 +207,17 @@ def full_training_state(raw_model, optimizer):
             get_optimizer_state_dict(raw_model, optimizer, options=FULL_STATE))
 
 
-def load_training_state(raw_model, optimizer, ckpt):
+def load_training_state(raw_model, optimizer, loader, ckpt):
+    """Weights, optimizer, loader position and RNG states of a checkpoint; one without training state
+    (weights only, e.g. imported by scripts.import_hf) starts the optimizer, data and RNGs afresh."""
     options = StateDictOptions(full_state_dict=True)
     set_model_state_dict(raw_model, ckpt["model"], options=options)
-    set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
+    if ckpt.get("optimizer") is not None:
+        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
+    if ckpt.get("loader") is not None:
+        loader.load_state_dict(ckpt["loader"])
+    if ckpt.get("rng") is not None:
+        set_rng_state(ckpt["rng"])
 
 
 def same_path(a, b):
@@ -389,10 +396,8 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
 
     step, wandb_id = 0, None
     if ckpt is not None:
-        load_training_state(raw_model, optimizer, ckpt)
-        loader.load_state_dict(ckpt["loader"])
-        set_rng_state(ckpt["rng"])
-        step, wandb_id = ckpt["step"], ckpt["wandb_id"]
+        load_training_state(raw_model, optimizer, loader, ckpt)
+        step, wandb_id = ckpt["step"], ckpt.get("wandb_id")
         del ckpt
     # the checkpoint already in out_dir for this step, if the run resumes from one there
     last_ckpt = resume_file if resume_file and same_path(os.path.dirname(resume_file) or ".", out_dir) else None

@@ -49,10 +49,10 @@ def training_config(config, out):
         group = OmegaConf.to_container(compose(config_name="config", overrides=base).model, resolve=True)
         current = {**{f.name: f.default for f in fields(GPTConfig)}, **group}   # before GPTConfig.__post_init__
         overrides = base + [f"++model.{k}={hydra_value(v)}" for k, v in asdict(config).items() if current[k] != v]
-        cfg = OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+        cfg = OmegaConf.to_container(compose(config_name="config", overrides=overrides + [f"train.out_dir={out}"]),
+                                     resolve=True)
     if GPTConfig.from_dict(cfg["model"]) != config:
         raise RuntimeError(f"the overrides {overrides} do not rebuild the imported model config {config}")
-    cfg["train"]["out_dir"] = str(out)
     return cfg, overrides
 
 

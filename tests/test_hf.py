@@ -18,6 +18,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 
 from data.tokenizer import get_tokenizer
 from evaluation.lm_eval_adapter import data_root
+from model.checkpoint import load_model
 from model.gpt import GPT, GPTConfig, mlp_hidden_size
 from model.hf.convert import atomic_dir, checkpoint_dict, read_checkpoint
 from scripts import compare_lm_eval_hf, export_hf, import_hf
@@ -41,7 +42,9 @@ STOCK = {"llama": LlamaForCausalLM, "transformer_llama": LlamaForCausalLM, "llam
 
 def train_config(overrides):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return OmegaConf.to_container(compose(config_name="config", overrides=overrides), resolve=True)
+        # train.out_dir set: its default names the model group through Hydra's runtime choices
+        return OmegaConf.to_container(compose(config_name="config", overrides=overrides + ["train.out_dir=run"]),
+                                      resolve=True)
 
 
 def random_model(variant, seq_len=24):
@@ -220,7 +223,7 @@ def test_import_matches_transformers_and_export_round_trips_bit_exactly(make, sa
     hf.save_pretrained(tmp_path / "src", **save)
     import_hf.main(["--src", str(tmp_path / "src"), "--out", str(tmp_path / "run")])
     command = capsys.readouterr().out.split("continue pretraining: python train.py ")[1].split()
-    model = GPT.from_checkpoint(tmp_path / "run").eval()
+    model = load_model(str(tmp_path / "run"), "cpu", "fp32")[0]
     x = torch.randint(0, N_TOKENS, (2, 32))
     with torch.no_grad():
         assert (model(x)[0] - hf(x).logits).abs().max().item() <= 1e-4
