@@ -265,7 +265,7 @@ def test_train_bad_value_exits_2_and_leaves_no_run_directory(tmp_path):
                           "castle")
     # fails after taking the run directory: no shards of this data set
     assert_one_line_error(run("train.py", [f"train.out_dir={out}", "data=text", f"data.dir={tmp_path / 'no_data'}"]),
-                          "no train shards", "prepare them first")
+                          "data.dir", "prepare it first")
     assert not out.exists()
 
 
