@@ -23,10 +23,10 @@ from model.checkpoint import load_model
 from model.runtime import (DEVICE, Dist, Rule, boolean, check_options, entry_point, integer, number, one_of,
                            optional, text)
 
-TOP_K = optional(integer(1))
+TOP_K = optional(integer(0))
 OPTIONS = {"ckpt": text(), "prompt": text(nonempty=False), "bos": boolean(), "max_new_tokens": integer(1),
            "num_samples": integer(1), "temperature": number(0), "seed": integer(0),
-           "top_k": Rule(TOP_K.ok, TOP_K.expected + " (null: no top-k filtering)"),
+           "top_k": Rule(TOP_K.ok, TOP_K.expected + " (null or 0: no top-k filtering)"),
            "top_p": optional(number(above=0, high=1)), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"),
            "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1)}
 

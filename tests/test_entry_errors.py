@@ -166,7 +166,7 @@ def test_resume_takes_model_and_data_settings_from_the_checkpoint():
     ("max_new_tokens=-5", "max_new_tokens=-5 is invalid: it must be an integer >= 1"),
     ("max_new_tokens=0", "max_new_tokens=0"),
     ("temperature=-1", "temperature=-1 is invalid: it must be a number >= 0"),
-    ("top_k=0", "top_k=0 is invalid: it must be an integer >= 1, or null (null: no top-k filtering)"),
+    ("top_k=-1", "top_k=-1 is invalid: it must be an integer >= 0, or null (null or 0: no top-k filtering)"),
     ("top_p=0", "top_p=0 is invalid: it must be a number > 0 and <= 1, or null"),
     ("top_p=1.5", "top_p=1.5"),
     ("num_samples=0", "num_samples=0"),
