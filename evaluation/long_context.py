@@ -2,7 +2,7 @@
 training context too.
 
     python eval.py ckpt=RUN eval.tasks=[long_context] long_context.seq_len=65536 long_context.num_seqs=512
-    python scripts/plot_long_context.py runs/fox runs/baseline --out long_context.png    # overlay runs
+    python -m scripts.plot_long_context runs/fox runs/baseline --out long_context.png    # overlay runs
 
 L(i) is the mean over M held-out sequences of -log p(token i), summed in float64; P(l) =
 exp(mean of L(1..l)) from the unsmoothed L. Plots smooth L with a centred moving average (101
