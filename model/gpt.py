@@ -54,7 +54,11 @@ class GPTConfig:
     castle_rope: str = "qk"             # RoPE on "causal" q^C,k^C | "qk" + q^U,k^U | "qkv" + v^U (paper: unstated)
     castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
     # Forgetting Transformer and the Pro block (arXiv:2503.02130 §3, App. A)
+    fgate: str = "data_dependent"       # forget gate f_t^(h): "data_dependent" sigmoid(w_f.x_t + b_f) (§3) |
+                                        # "bias_only" sigmoid(b^(h)), learned | "fixed" sigmoid(b^(h)), frozen (§4.5)
     fgate_bias_init: float = 0.0        # forget-gate bias at init (FoX: 0, App. D)
+    fgate_tmin: float | None = None     # T_min, T_max: per-head bias init with decay times log-spaced over the
+    fgate_tmax: float | None = None     # heads (App. D; replaces fgate_bias_init); null: fgate_bias_init
     qk_norm: bool = False               # per-head RMSNorm of q and k (Pro)
     qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs (App. A, fn. 4)
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
@@ -70,7 +74,7 @@ class GPTConfig:
                                  "set head_dim explicitly")
             self.head_dim = self.n_embd // self.n_head
         for name, allowed in [("norm", NORMS), ("mlp", MLPS), ("pos", ("rope", "learned", "none")),
-                              ("attention", ATTENTIONS)]:
+                              ("attention", ATTENTIONS), ("fgate", FGATES)]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; "
                                  f"choose one of {sorted(allowed)}")
@@ -80,9 +84,27 @@ class GPTConfig:
             raise ValueError("attention=castle_swl needs model.castle_window >= 1 (paper: 128 for S, 512 else)")
         if self.castle_rope not in ("causal", "qk", "qkv"):
             raise ValueError(f"model.castle_rope={self.castle_rope!r}; choose causal, qk or qkv")
+        self._check_forget_gate()
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
                              f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
+
+    def _check_forget_gate(self):
+        if self.attention != "fox":
+            changed = [f"model.{f.name}={getattr(self, f.name)}" for f in fields(self)
+                       if f.name.startswith("fgate") and getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} only applies to attention=fox (model=fox_llama or "
+                                 f"model=fox_pro), not attention={self.attention}")
+        tmin, tmax = self.fgate_tmin, self.fgate_tmax
+        if (tmin is None) != (tmax is None):
+            raise ValueError("model.fgate_tmin and model.fgate_tmax go together: set both (e.g. 2 and 128) or neither")
+        if tmin is not None and not 0 < tmin < tmax:
+            raise ValueError(f"model.fgate_tmin={tmin}, model.fgate_tmax={tmax}: the decay times must satisfy "
+                             "0 < fgate_tmin < fgate_tmax")
+        if tmin is not None and self.fgate_bias_init != 0:
+            raise ValueError(f"model.fgate_bias_init={self.fgate_bias_init} and model.fgate_tmin/fgate_tmax both "
+                             "set the forget-gate bias at init; set one of them")
 
     @classmethod
     def from_dict(cls, d):
@@ -296,6 +318,52 @@ class SoftmaxCache(KVCache):
         return self.log_fgate_cumsum[:, :, :self.n_local]
 
 
+FGATES = ("data_dependent", "bias_only", "fixed")
+
+
+def fgate_bias_at_init(config):
+    """The forget-gate bias b^(h) at init, one per head: (n_head,) float32.
+
+    With (T_min, T_max) (FoX, arXiv:2503.02130 App. D): the decay time T(b) = -1 / log sigmoid(b), the steps
+    after which sigmoid(b)^T = 1/e, is log-spaced over the heads, T^(h) = exp(log T_min + (log T_max - log T_min)
+    (h - 1) / (H - 1)) (one head: T_min), and b = -log(expm1(1 / T)) inverts T(b): log f^(h) = -1 / T^(h). A
+    fixed gate is then ALiBi with slopes 1 / T^(h), from 1 / T_max to 1 / T_min (§3, §4.5). Without them:
+    config.fgate_bias_init for every head.
+    """
+    if config.fgate_tmin is None:
+        return torch.full((config.n_head,), float(config.fgate_bias_init))
+    log_t = torch.linspace(math.log(config.fgate_tmin), math.log(config.fgate_tmax), config.n_head,
+                           dtype=torch.float64)
+    return (-torch.expm1(1 / log_t.exp()).log()).float()
+
+
+class GateBias(nn.Module):
+    """Data-independent forget-gate logits (FoX, arXiv:2503.02130 §4.5): b^(h) at every position, so
+    f_t^(h) = sigmoid(b^(h)). Learned (fgate=bias_only) or a buffer (fixed), saved with the weights either way.
+    Called like the data-dependent gate's Linear: x (B, T, d) -> logits (B, T, H)."""
+
+    def __init__(self, bias, learned):
+        super().__init__()
+        if learned:
+            self.bias = nn.Parameter(bias)
+        else:
+            self.register_buffer("bias", bias)
+
+    def forward(self, x):
+        return self.bias.expand(*x.shape[:-1], -1)
+
+
+def make_forget_gate(config):
+    """The module whose output on x (B, T, d) is the forget-gate logits (B, T, H): log f = logsigmoid of it.
+    Only the data-dependent gate has the d x H weight w_f; the other two have H parameters (bias_only) or none."""
+    bias = fgate_bias_at_init(config)
+    if config.fgate != "data_dependent":
+        return GateBias(bias, learned=config.fgate == "bias_only")
+    gate = nn.Linear(config.n_embd, config.n_head, bias=True)
+    gate.bias_init = bias                # written by GPT._init_weights
+    return gate
+
+
 class SoftmaxAttention(nn.Module):
     """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block.
 
@@ -310,9 +378,7 @@ class SoftmaxAttention(nn.Module):
         self.qkv = nn.Linear(config.n_embd, 3 * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
         self.out.residual_proj = True
-        self.fgate = nn.Linear(config.n_embd, config.n_head, bias=True) if forget_gate else None
-        if forget_gate:
-            self.fgate.bias_init = config.fgate_bias_init
+        self.fgate = make_forget_gate(config) if forget_gate else None
         self.shift = nn.Linear(config.n_embd, 2 * config.n_head, bias=False) if config.kv_shift else None
         if config.qk_norm:
             self.q_norm = HeadRMSNorm(config.n_head, config.head_dim, 1e-5, config.qk_norm_shared)
@@ -501,7 +567,7 @@ class GPT(nn.Module):
                 std = std / math.sqrt(2 * self.config.n_layer)
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                nn.init.constant_(module.bias, getattr(module, "bias_init", 0.0))
+                module.bias.data.copy_(torch.as_tensor(getattr(module, "bias_init", 0.0)))
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
 

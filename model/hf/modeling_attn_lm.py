@@ -37,8 +37,8 @@ MODEL_DEFAULTS = dict(
     head_dim=None, bias=False, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", mlp_ratio=4.0, mlp_hidden=None,
     mlp_multiple_of=1, pos="rope", rope_theta=10000.0, attention="baseline", dropout=0.0, init_std=0.02,
     scaled_residual_init=True, castle_window=None, castle_rope="qk", castle_match_heads=False,
-    fgate_bias_init=0.0, qk_norm=False, qk_norm_shared=True, kv_shift=False, output_gate=False,
-    output_norm=False)
+    fgate="data_dependent", fgate_bias_init=0.0, fgate_tmin=None, fgate_tmax=None, qk_norm=False,
+    qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False)
 
 
 class AttnLMConfig(PretrainedConfig):
