@@ -29,6 +29,11 @@ VARIANTS = {
     "transformer_pro": dict(attention="baseline", **LLAMA, **PRO),
     "fox_pro": dict(attention="fox", **{**LLAMA, "pos": "none"}, **PRO),
     "fox_pro_per_head_qk_norm": dict(attention="fox", qk_norm_shared=False, **{**LLAMA, "pos": "none"}, **PRO),
+    # the data-independent forget gates (FoX arXiv:2503.02130 §4.5); more in tests/test_fgate.py
+    "fox_llama_bias_only": dict(attention="fox", fgate="bias_only", fgate_tmin=2, fgate_tmax=64,
+                                **{**LLAMA, "pos": "none"}),
+    "fox_pro_fixed": dict(attention="fox", fgate="fixed", fgate_tmin=2, fgate_tmax=64, **{**LLAMA, "pos": "none"},
+                          **PRO),
 }
 
 
