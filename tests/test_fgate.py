@@ -184,6 +184,7 @@ def _sharded_worker(rank, world, init_file, out_dir):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_sharded_decoding_equals_single_process():
     """Tree-attention decoding with the cache split over 2 gloo ranks gives the single process's greedy
