@@ -213,7 +213,8 @@ def test_gate_experiment_configs_drop_only_the_gate_parameters(arch, fgate):
 
 @pytest.mark.parametrize("bad, match", [
     (dict(attention="baseline", pos="rope", fgate="fixed"), r"model\.fgate=fixed only applies to attention=fox"),
-    (dict(attention="castle", pos="rope", fgate_tmin=2, fgate_tmax=8), r"model\.fgate_tmin=2, model\.fgate_tmax=8 only"),
+    (dict(attention="castle", pos="rope", fgate_tmin=2, fgate_tmax=8),
+     r"model\.fgate_tmin=2, model\.fgate_tmax=8 only applies"),
     (dict(attention="baseline", pos="rope", fgate_bias_init=1.0), r"model\.fgate_bias_init=1\.0 only applies"),
     (dict(fgate="alibi"), r"model\.fgate='alibi' is unknown; choose one of \['bias_only', 'data_dependent', 'fixed'\]"),
     (dict(fgate_tmin=2), "fgate_tmin and model.fgate_tmax go together"),
