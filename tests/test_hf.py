@@ -35,6 +35,8 @@ VARIANTS = {
     "gpt2_no_bias_untied": ("gpt2", ["model.bias=false", "model.tie_embeddings=false"]),
     "castle_rope_qkv": ("castle", ["model.castle_rope=qkv"]),
     "fox_pro_per_head_qk_norm": ("fox_pro", ["model.qk_norm_shared=false"]),
+    "fox_llama_bias_only": ("fox_llama", ["model.fgate=bias_only"]),
+    "fox_pro_fixed": ("fox_pro", ["model.fgate=fixed", "model.fgate_tmin=2", "model.fgate_tmax=64"]),
 }
 STOCK = {"llama": LlamaForCausalLM, "transformer_llama": LlamaForCausalLM, "llama_bias_untied": LlamaForCausalLM,
          "gpt2": GPT2LMHeadModel, "gpt2_no_bias_untied": GPT2LMHeadModel}

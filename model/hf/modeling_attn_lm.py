@@ -143,6 +143,20 @@ class HeadRMSNorm(nn.Module):
         return F.rms_norm(x, (x.size(-1),), None, self.eps) * self.weight.to(x.dtype)
 
 
+class GateBias(nn.Module):
+    """Data-independent forget-gate logits b^(h) at every position (fgate=bias_only: learned; fixed: a buffer)."""
+
+    def __init__(self, n_head, learned):
+        super().__init__()
+        if learned:
+            self.bias = nn.Parameter(torch.zeros(n_head))
+        else:
+            self.register_buffer("bias", torch.zeros(n_head))
+
+    def forward(self, x):
+        return self.bias.expand(*x.shape[:-1], -1)
+
+
 def token_shift(x, alpha):
     """KV-shift (arXiv:2503.02130 App. A, eqs. (17), (19)): alpha_t x_{t-1} + (1 - alpha_t) x_t, x_0 = 0."""
     shifted = torch.cat([torch.zeros_like(x[:, :, :1]), x[:, :, :-1]], dim=2)
@@ -166,7 +180,10 @@ class SoftmaxAttention(nn.Module):
         inner = config.n_head * config.head_dim
         self.qkv = nn.Linear(config.n_embd, 3 * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
-        self.fgate = nn.Linear(config.n_embd, config.n_head, bias=True) if config.attention == "fox" else None
+        self.fgate = None
+        if config.attention == "fox":
+            self.fgate = (nn.Linear(config.n_embd, config.n_head, bias=True) if config.fgate == "data_dependent"
+                          else GateBias(config.n_head, learned=config.fgate == "bias_only"))
         self.shift = nn.Linear(config.n_embd, 2 * config.n_head, bias=False) if config.kv_shift else None
         self.qk_norm = config.qk_norm
         if config.qk_norm:
