@@ -41,7 +41,7 @@ from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
 from model.checkpoint import (archive_earlier_run, archive_newer_checkpoints, atomic_write, checkpoint_files,
                               config_dict, load_checkpoint, locked_run_dir, model_from_checkpoint,
                               remove_stale_temp_files, save_checkpoint, saved_model_config)
-from model.gpt import GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
                            entry_point, integer, number, one_of, optional, pair, text)
 
@@ -53,6 +53,8 @@ OPTIONS = {
     "train.out_dir": text(), "train.resume": text(), "train.if_exists": one_of("error", "archive"),
     "train.device": DEVICE, "train.dtype": one_of("auto", "bf16", "fp32"), "train.compile": one_of("auto", True, False),
     "train.sdpa_backend": one_of("auto", *SDPA_BACKENDS), "train.parallel": one_of("ddp", "fsdp"),
+    "train.activation_checkpointing": one_of(*ACTIVATION_CHECKPOINTING),
+    "train.activation_checkpointing_every": integer(1),
     "train.seed": integer(0), "train.log_interval": integer(1), "train.eval_interval": integer(1),
     "train.eval_tokens": integer(1), "train.ckpt_interval": integer(1), "train.keep_last": integer(1),
     "train.sample_tokens": integer(0), "train.peak_flops": number(above=0),
@@ -387,6 +389,8 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     if ckpt:
         check_same_model(ckpt, model_config, resume_file, overrides)
     raw_model = GPT(model_config).to(device)
+    recomputed = raw_model.checkpoint_activations(cfg.train.activation_checkpointing,
+                                                  cfg.train.activation_checkpointing_every)
     fsdp = dist_info.world > 1 and cfg.train.parallel == "fsdp"
     if fsdp:       # in place, before the optimizer sees the parameters
         shard_model(raw_model)
@@ -406,7 +410,9 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         prepare_run_dir(cfg, out_dir, step, resumed_here=last_ckpt is not None)
         print(f"model: {model_group} ({model_config.attention} attention), {raw_model.num_params() / 1e6:.2f}M "
               f"parameters | {dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
-              f"{accum * B * T * dist_info.world} tokens/step | run dir {out_dir} | "
+              f"{accum * B * T * dist_info.world} tokens/step | activation checkpointing "
+              f"{cfg.train.activation_checkpointing} ({recomputed} of {model_config.n_layer} blocks recomputed) | "
+              f"run dir {out_dir} | "
               + (f"resuming at step {step} from {resume_file}" if resume_file else "fresh run")
               + (f" with its {' and '.join(taken)} settings" if taken else ""))
     metrics = Metrics(cfg, out_dir, wandb_id) if dist_info.master else None

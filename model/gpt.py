@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
@@ -521,7 +522,13 @@ register_attention("castle_swl")(lambda config: CastleAttention(config, window=c
 # ----------------------------------------------------------------------------- model
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    With `recompute` (GPT.checkpoint_activations) a forward that records gradients keeps only the
+    block's input and runs the block again in the backward (activation checkpointing). Non-reentrant
+    checkpointing traces under torch.compile, restores the RNG so that dropout draws the same mask
+    again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on this module outside the
+    recomputed region. A forward with a cache never recomputes: it appends to the cache."""
 
     def __init__(self, config):
         super().__init__()
@@ -529,10 +536,19 @@ class Block(nn.Module):
         self.attn = ATTENTIONS[config.attention](config)
         self.norm_mlp = make_norm(config)
         self.mlp = MLPS[config.mlp](config)
+        self.recompute = False
 
     def forward(self, x, rope, cache=None):
+        if self.recompute and cache is None and torch.is_grad_enabled():
+            return checkpoint(self.residual_layers, x, rope, use_reentrant=False)
+        return self.residual_layers(x, rope, cache)
+
+    def residual_layers(self, x, rope, cache=None):
         x = x + self.attn(self.norm_attn(x), rope, cache)
         return x + self.mlp(self.norm_mlp(x))
+
+
+ACTIVATION_CHECKPOINTING = ("none", "selective", "full")   # by the memory they save
 
 
 class InferenceCache:
@@ -574,6 +590,19 @@ class GPT(nn.Module):
     def num_params(self):
         """Unique parameters (a tied embedding counts once)."""
         return sum(p.numel() for p in self.parameters())
+
+    def checkpoint_activations(self, mode, every=2):
+        """Which blocks recompute their forward in the backward (Block.recompute): "none"; "full", every
+        block; "selective", every `every`-th block from the first (blocks 0, k, 2k, ...). Returns how
+        many blocks recompute. Outputs and gradients do not change; the blocks' saved activations fall
+        to about the share of blocks that do not recompute, plus one block input per recomputed block."""
+        if mode not in ACTIVATION_CHECKPOINTING:
+            raise ValueError(f"activation checkpointing {mode!r} is unknown; choose one of {ACTIVATION_CHECKPOINTING}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"activation checkpointing every={every!r} must be an integer >= 1")
+        for i, block in enumerate(self.blocks):
+            block.recompute = mode == "full" or (mode == "selective" and i % every == 0)
+        return sum(block.recompute for block in self.blocks)
 
     def _rope(self, start, T, device):
         """RoPE tables for positions [start, start + T), grown on demand (decoding may pass block_size)."""

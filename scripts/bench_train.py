@@ -7,6 +7,7 @@
     python -m scripts.bench_train --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
     python -m scripts.bench_train --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
     python -m scripts.bench_train --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
+    python -m scripts.bench_train --models castle_paper_XL --batch-tokens 16384 --activation-checkpointing full
 
 Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
 overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
@@ -30,7 +31,7 @@ from omegaconf import OmegaConf
 from torch._dynamo.utils import counters
 
 from kernels.sdpa import prefer_sdpa_backend
-from model.gpt import GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
 from model.runtime import CONFIG_DIR
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
@@ -59,6 +60,7 @@ def prepare(name, args, device):
     batch = max(1, args.batch_tokens // T)
     torch.manual_seed(0)
     model = GPT(config).to(device)
+    model.checkpoint_activations(args.activation_checkpointing, args.activation_checkpointing_every)
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model, mode=args.compile_mode) if args.compile else model
     idx = torch.randint(0, config.vocab_size, (batch, T + 1), device=device)
@@ -164,6 +166,10 @@ def main():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    p.add_argument("--activation-checkpointing", choices=ACTIVATION_CHECKPOINTING, default="none",
+                   help="blocks that recompute their forward in the backward (train.activation_checkpointing)")
+    p.add_argument("--activation-checkpointing-every", type=int, default=2, metavar="K",
+                   help="selective: every K-th block (train.activation_checkpointing_every)")
     p.add_argument("--peak-flops", type=float, default=989e12)
     p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
@@ -173,6 +179,8 @@ def main():
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.activation_checkpointing_every < 1:
+        p.error(f"--activation-checkpointing-every must be >= 1, got {args.activation_checkpointing_every}")
     alternate = args.rounds > 1
     if alternate and len(args.models) > 4:
         p.error("--rounds keeps every model compiled at once: list at most 4 models (dynamo's recompile limit)")
@@ -180,7 +188,8 @@ def main():
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     print(f"command: python -m scripts.bench_train {' '.join(sys.argv[1:])}")
-    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}\n")
+    print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
+          f"activation checkpointing {args.activation_checkpointing}\n")
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |"
           + (" tokens/s range | vs the first model |" if alternate else ""))
     print("|---|---|---|---|---|---|" + ("---|---|" if alternate else ""), flush=True)

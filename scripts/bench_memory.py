@@ -1,0 +1,206 @@
+"""The largest micro-batch that fits in memory under each activation-checkpointing mode
+(train.activation_checkpointing), and the tokens/s of each at that micro-batch.
+
+    python -m scripts.bench_memory --models baseline_paper_XL                    # none, selective, full
+    python -m scripts.bench_memory --models castle_paper_XL --modes full --max-batch 64
+    python -m scripts.bench_memory --models fox_pro_760M --batch 4               # every mode at one micro-batch
+    python -m scripts.bench_memory --device cpu --models tiny --seq-len 64 --memory-gib 0.02 --no-compile
+
+A training step is forward, backward and AdamW, bf16 autocast on CUDA, on random tokens of the
+experiment's context (or --seq-len). For each model one eager model (no compile: cheap) is built and
+stepped once, so that its AdamW state exists; then for every mode a search, doubling and then
+bisecting, finds the largest micro-batch (sequences) up to --max-batch whose step fits --memory-gib:
+on CUDA the step must run with the allocator capped there (set_per_process_memory_fraction, so a larger
+card answers for a smaller one; default the whole card), on CPU the parameters, gradients, AdamW state
+and the step's own allocations (the profiler's allocation records) must peak within it. A search
+assumes that what fits at a micro-batch fits at every smaller one. Then every mode is compiled and
+timed at its micro-batch (scripts.bench_train's step; torch.compile usually needs no more memory than
+eager, and a compiled step that does not fit is reported as such). Rows print as soon as measured.
+"""
+import argparse
+import sys
+from types import SimpleNamespace
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kernels.sdpa import prefer_sdpa_backend
+from model.gpt import ACTIVATION_CHECKPOINTING, GPT
+from scripts.bench_train import model_config, prepare, time_steps
+
+
+def largest_fitting(fits, limit):
+    """The largest b in [1, limit] with fits(b), or 0: doubling from 1 up to the first b that does not
+    fit, then bisecting; fits must be monotone (true up to some b, false beyond)."""
+    good, bad, b = 0, limit + 1, 1
+    while b <= limit:
+        if not fits(b):
+            bad = b
+            break
+        good, b = b, 2 * b
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
+
+
+def cpu_peak_bytes(fn):
+    """Peak of the CPU bytes that fn allocates and has not yet freed, over its run, from the
+    allocator's records in the profiler (every allocation and free, in order)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def state_bytes(model, opt):
+    """Bytes that live across steps: the parameters and the AdamW state (gradients are made in every backward)."""
+    tensors = list(model.parameters()) + [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class EagerProbe:
+    """One eager model and optimizer; `peak(batch)` runs a training step at that micro-batch and returns its
+    peak bytes (CUDA: max_memory_allocated; CPU: state_bytes + cpu_peak_bytes), or None when CUDA runs out
+    of the memory it may use."""
+
+    def __init__(self, name, args, device):
+        self.config, self.T = model_config(name, args.seq_len, args.override)
+        self.device = device
+        torch.manual_seed(0)
+        self.model = GPT(self.config).to(device)
+        self.opt = torch.optim.AdamW(self.model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
+        self.autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+        self.step(1)                          # AdamW allocates its state in its first step
+
+    def step(self, batch):
+        idx = torch.randint(0, self.config.vocab_size, (batch, self.T + 1), device=self.device)
+        with self.autocast:
+            _, loss = self.model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def peak(self, batch):
+        if self.device.type != "cuda":
+            return state_bytes(self.model, self.opt) + cpu_peak_bytes(lambda: self.step(batch))
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            self.step(batch)
+            return torch.cuda.max_memory_allocated()
+        except torch.OutOfMemoryError:
+            self.opt.zero_grad(set_to_none=True)   # the gradients a failed backward left
+            return None
+        finally:
+            torch.cuda.empty_cache()
+
+
+def search(name, args, device, limit_bytes):
+    """{mode: (blocks recomputed, micro-batch, peak bytes at it)} for every mode of args.modes, from one eager model."""
+    probe = EagerProbe(name, args, device)
+    found = {}
+    for mode in args.modes:
+        recomputed = probe.model.checkpoint_activations(mode, args.activation_checkpointing_every)
+        peaks = {}
+
+        def fits(batch):
+            peaks[batch] = probe.peak(batch)
+            return peaks[batch] is not None and peaks[batch] <= limit_bytes
+
+        batch = args.batch or largest_fitting(fits, args.max_batch)
+        found[mode] = (recomputed, batch, peaks.get(batch))
+        print(f"{name}: activation checkpointing {mode}: micro-batch {batch}"
+              + (" (given)" if args.batch else f" of <= {args.max_batch} fits, eager")
+              + (f", peak {peaks[batch] / 2**30:.2f} GiB" if peaks.get(batch) else ""), flush=True)
+    return found
+
+
+def timed_row(name, mode, recomputed, batch, eager_peak, args, device):
+    """A compiled (unless --no-compile) timing of this mode at this micro-batch, as a markdown row."""
+    config, T = model_config(name, args.seq_len, args.override)
+    gib = f"{eager_peak / 2**30:.2f}" if eager_peak else "-"
+    row = f"| {name} | {mode} | {recomputed}/{config.n_layer} | {T} | {batch} | {gib} |"
+    if batch == 0:
+        return row + " - | - | - |"
+    torch._dynamo.reset()
+    timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
+    bench = None
+    try:
+        bench = prepare(name, timing, device)
+        time_steps(bench, timing, device)
+    except torch.OutOfMemoryError:
+        bench = None
+    if bench is None:
+        torch.cuda.empty_cache()
+        return row + " does not fit compiled | - | - |"
+    tok_s = bench["tok_s"][-1]
+    mfu = f"{bench['model'].flops_per_token(T) * tok_s / args.peak_flops:.1%}" if device.type == "cuda" else "-"
+    peak = f"{bench['peak_GiB']:.2f}" if "peak_GiB" in bench else "-"
+    return row + f" {tok_s:,.0f} | {mfu} | {peak} |"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", required=True, help="experiment configs (configs/experiment/) or tiny")
+    p.add_argument("--modes", nargs="+", choices=ACTIVATION_CHECKPOINTING, default=list(ACTIVATION_CHECKPOINTING))
+    p.add_argument("--activation-checkpointing-every", type=int, default=2, metavar="K",
+                   help="selective: every K-th block (train.activation_checkpointing_every)")
+    p.add_argument("--memory-gib", type=float, default=None,
+                   help="memory a step may use (CUDA default: the whole card; required on CPU)")
+    p.add_argument("--max-batch", type=int, default=256, help="the search's largest micro-batch")
+    p.add_argument("--batch", type=int, default=None, help="no search: time every mode at this micro-batch")
+    p.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every model")
+    p.add_argument("--seq-len", type=int, default=None, help="override the experiment's context")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per mode (compilation happens here)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
+    p.add_argument("--peak-flops", type=float, default=989e12)
+    p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
+    args = p.parse_args()
+    device = torch.device(args.device)
+    for flag, value, low in [("--activation-checkpointing-every", args.activation_checkpointing_every, 1),
+                             ("--max-batch", args.max_batch, 1), ("--batch", args.batch or 1, 1),
+                             ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)]:
+        if value < low:
+            p.error(f"{flag} must be >= {low}, got {value}")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        total = torch.cuda.get_device_properties(device).total_memory
+        if args.memory_gib is not None and args.memory_gib * 2**30 > total:
+            p.error(f"--memory-gib {args.memory_gib} exceeds the card's {total / 2**30:.1f} GiB")
+        limit = total if args.memory_gib is None else args.memory_gib * 2**30
+        torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    elif args.memory_gib is None:
+        p.error("--memory-gib is required on CPU (it has no card whose size bounds the search)")
+    else:
+        limit = args.memory_gib * 2**30
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"command: python -m scripts.bench_memory {' '.join(sys.argv[1:])}")
+    print(f"device: {name}, torch {torch.__version__}, memory limit {limit / 2**30:.2f} GiB\n", flush=True)
+    with prefer_sdpa_backend(args.sdpa_backend):
+        for model in args.models:
+            found = search(model, args, device, limit)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            print("\n| model | activation checkpointing | blocks recomputed | context | micro-batch | "
+                  "peak GiB (eager) | tokens/s | MFU | peak GiB (timed) |\n|---|---|---|---|---|---|---|---|---|",
+                  flush=True)
+            for mode, (recomputed, batch, peak) in found.items():
+                print(timed_row(model, mode, recomputed, batch, peak, args, device), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            print()
+
+
+if __name__ == "__main__":
+    main()
