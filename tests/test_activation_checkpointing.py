@@ -1,0 +1,313 @@
+"""Activation checkpointing (train.activation_checkpointing, GPT.checkpoint_activations): the recomputed
+blocks give the loss and every gradient of the run without it, for every attention variant, the CASTLE
+and FoX Triton kernels, torch.compile, dropout, DDP and FSDP2; the activations saved for the backward
+and the peak memory fall; a cached (inference) forward never recomputes; bad values are named."""
+import functools
+import json
+import os
+
+import pytest
+import torch
+
+import model.gpt as gpt
+from kernels.castle import castle_attn
+from kernels.forgetting import forgetting_attn
+from model.gpt import GPT
+from scripts.bench_memory import cpu_peak_bytes, largest_fitting
+from test_model import VARIANTS, tiny
+from test_train import TINY, run, train_losses
+
+MODES = ("selective", "full")
+
+
+def loss_and_grads(model, idx, params_of=None):
+    """Loss and {name: gradient} of one forward and backward; params_of: the module that holds the
+    parameters (the raw model of a compiled one)."""
+    params_of = params_of or model
+    params_of.zero_grad(set_to_none=True)
+    _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in params_of.named_parameters()}
+
+
+def assert_same(got, expected, rtol=1e-6):
+    """Loss and every gradient equal, exactly or within rtol of the largest entry."""
+    (loss, grads), (loss_ref, grads_ref) = got, expected
+    assert abs(loss - loss_ref) <= rtol * abs(loss_ref), (loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name, g in grads.items():
+        err = (g - grads_ref[name]).abs().max()
+        assert err <= rtol * grads_ref[name].abs().max(), (name, err.item())
+
+
+def attention_runs(model):
+    """A list whose i-th entry counts how often block i's attention ran (forward hooks)."""
+    counts = [0] * len(model.blocks)
+    for i, block in enumerate(model.blocks):
+        block.attn.register_forward_hook(lambda *_, i=i: counts.__setitem__(i, counts[i] + 1))
+    return counts
+
+
+def random_tokens(config, batch=2, length=None):
+    return torch.randint(0, config.vocab_size, (batch, (length or config.block_size) + 1))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", VARIANTS)
+def test_recomputed_blocks_keep_loss_and_every_gradient(name, mode):
+    """fp32 CPU: the same loss and gradients as without checkpointing; the chosen blocks (selective: 0 and 2
+    of 3) really run their attention twice, once in the forward and once in the backward."""
+    model = GPT(tiny(n_layer=3, **VARIANTS[name]))
+    idx = random_tokens(model.config)
+    expected = loss_and_grads(model, idx)
+    runs = attention_runs(model)
+    assert model.checkpoint_activations(mode) == (3 if mode == "full" else 2)
+    assert_same(loss_and_grads(model, idx), expected)
+    assert runs == ([2, 2, 2] if mode == "full" else [2, 1, 2])
+
+
+@pytest.fixture
+def triton_kernels(monkeypatch):
+    """The model's CASTLE and FoX attention on the Triton kernels (the CUDA path), here under TRITON_INTERPRET."""
+    monkeypatch.setattr(gpt, "castle_attn", functools.partial(castle_attn, impl="triton"))
+    monkeypatch.setattr(gpt, "forgetting_attn", functools.partial(forgetting_attn, impl="triton"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["castle_swl", "fox_pro"])
+def test_triton_kernels_recompute_exactly(triton_kernels, name):
+    """The CASTLE custom ops and FoX's Triton autograd function run again in the backward and give the
+    gradients of the run without checkpointing."""
+    model = GPT(tiny(n_layer=2, block_size=16, **VARIANTS[name]))
+    idx = random_tokens(model.config, batch=1)
+    expected = loss_and_grads(model, idx)
+    runs = attention_runs(model)
+    model.checkpoint_activations("full")
+    assert_same(loss_and_grads(model, idx), expected)
+    assert runs == [2, 2]
+
+
+def saved_activation_bytes(model, idx, params_of=None):
+    """Bytes of the distinct tensors (parameters aside) that one forward saves for its backward, counted by
+    a saved_tensors_hooks pack hook. Non-reentrant checkpointing saves a recomputed block's inputs under
+    this hook and what the block computes under its own, so the count holds what checkpointing keeps."""
+    params = {p.untyped_storage().data_ptr() for p in (params_of or model).parameters()}
+    saved = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+    loss.backward()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("name", ["baseline", "castle", "fox_pro"])
+def test_saved_activations_fall_with_the_blocks_recomputed(name):
+    """none keeps every block's activations, full one input per block; selective (blocks 0 and 2 of 4) lies
+    between them, in proportion to the blocks it keeps (within 1%)."""
+    model = GPT(tiny(n_layer=4, block_size=64, n_embd=64, **VARIANTS[name]))
+    idx = random_tokens(model.config, batch=8)
+    saved = {}
+    for mode in ("none", "selective", "full"):
+        model.checkpoint_activations(mode)
+        saved[mode] = saved_activation_bytes(model, idx)
+    assert saved["full"] < 0.15 * saved["none"], saved
+    expected = saved["full"] + 2 / 4 * (saved["none"] - saved["full"])
+    assert abs(saved["selective"] - expected) < 0.01 * expected, saved
+
+
+def test_peak_memory_falls():
+    """The CPU allocator's peak over a forward and backward (the profiler's allocation records): selective
+    below none, full below both and under 40% of none."""
+    model = GPT(tiny(n_layer=4, block_size=64, n_embd=64))
+    idx = random_tokens(model.config, batch=8)
+    peak = {}
+    for mode in ("none", "selective", "full"):
+        model.checkpoint_activations(mode)
+        peak[mode] = cpu_peak_bytes(functools.partial(loss_and_grads, model, idx))
+    assert peak["full"] < 0.4 * peak["none"] and peak["full"] < peak["selective"] < 0.7 * peak["none"], peak
+
+
+def compiled_case(name, mode):
+    """(eager loss and gradients without checkpointing, compiled ones with `mode`, saved bytes compiled
+    with and without `mode`) of a tiny model; aot_eager runs AOTAutograd's partitioner, which decides what
+    the compiled backward recomputes, without Inductor's slow CPU code generation."""
+    model = GPT(tiny(n_layer=2, block_size=16, **VARIANTS[name]))
+    idx = random_tokens(model.config, batch=1)
+    expected = loss_and_grads(model, idx)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)   # fullgraph: no graph break
+    saved_none = saved_activation_bytes(compiled, idx, model)
+    model.checkpoint_activations(mode)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    saved = saved_activation_bytes(compiled, idx, model)
+    return expected, loss_and_grads(compiled, idx, model), saved_none, saved
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_model_recomputes(mode):
+    """torch.compile traces the non-reentrant checkpoint in one graph, keeps the gradients and saves less."""
+    expected, got, saved_none, saved = compiled_case("transformer_pro", mode)
+    assert_same(got, expected)
+    assert saved < (0.25 if mode == "full" else 0.75) * saved_none, (saved, saved_none)
+
+
+@pytest.mark.slow
+def test_compiled_castle_custom_ops_recompute(triton_kernels):
+    """The castle::triton_fwd op inside a recomputed block is run again by the compiled backward. (FoX's
+    Triton autograd function is traced only on CUDA: dynamo cannot trace the interpreter's launches.)"""
+    expected, got, saved_none, saved = compiled_case("castle", "full")
+    assert_same(got, expected)
+    assert saved < 0.25 * saved_none, (saved, saved_none)
+
+
+def test_dropout_draws_the_same_masks_when_recomputed():
+    """Checkpointing restores the RNG before recomputing, so dropout inside a block (SDPA's) draws the
+    same masks: the same loss and gradients under the same seed."""
+    model = GPT(tiny(n_layer=2, dropout=0.3))
+    idx = random_tokens(model.config)
+    torch.manual_seed(1)
+    expected = loss_and_grads(model, idx)
+    model.checkpoint_activations("full")
+    torch.manual_seed(1)
+    assert_same(loss_and_grads(model, idx), expected)
+    model.eval()                           # dropout did act: without it the loss differs
+    assert loss_and_grads(model, idx)[0] != expected[0]
+
+
+@pytest.mark.parametrize("name", ["baseline", "castle", "fox_pro"])
+def test_cached_forward_never_recomputes(name):
+    """With a cache (generation, even where gradients are recorded) the blocks run as they are and append
+    to it; a recomputed block would attend without the cached prompt."""
+    model = GPT(tiny(n_layer=2, **VARIANTS[name]))
+    idx = random_tokens(model.config, length=11)
+    outputs = {}
+    for mode in ("none", "full"):
+        model.checkpoint_activations(mode)
+        runs = attention_runs(model)
+        cache = model.new_cache(2, 12)
+        with torch.no_grad():
+            model(idx[:, :8], cache=cache)
+        with torch.enable_grad():
+            outputs[mode], _ = model(idx[:, 8:], cache=cache)
+        assert outputs[mode].requires_grad and cache.pos == 12 and runs == [2, 2]
+    torch.testing.assert_close(outputs["full"], outputs["none"], rtol=0, atol=0)
+
+
+def test_bad_values_are_refused():
+    model = GPT(tiny())
+    with pytest.raises(ValueError, match="'some'"):
+        model.checkpoint_activations("some")
+    with pytest.raises(ValueError, match="every=0"):
+        model.checkpoint_activations("selective", every=0)
+
+
+def test_largest_fitting_micro_batch_search():
+    for threshold in (0, 1, 2, 7, 16, 63, 64, 100):
+        tried = []
+
+        def fits(b):
+            tried.append(b)
+            return b <= threshold
+
+        assert largest_fitting(fits, 64) == min(threshold, 64)
+        assert len(tried) <= 13 and max(tried) <= 64
+
+
+# ----------------------------------------------------------------------------- train.py and the benchmark
+
+def test_train_refuses_an_unknown_mode(tmp_path):
+    proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.activation_checkpointing=some"], check=False)
+    assert proc.returncode == 2 and not os.listdir(tmp_path)
+    assert ("train.activation_checkpointing=some is invalid: it must be one of none, selective, full"
+            in proc.stderr), proc.stderr
+    proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.activation_checkpointing_every=0"], check=False)
+    assert proc.returncode == 2 and "train.activation_checkpointing_every=0 is invalid" in proc.stderr, proc.stderr
+
+
+COMMON = TINY + ["train.max_steps=3", "train.global_batch_tokens=256", "train.ckpt_interval=100"]
+
+
+@pytest.fixture(scope="module")
+def losses_without(tmp_path_factory):
+    """Losses of a tiny train.py run (one process, accumulation 2) without activation checkpointing."""
+    out = tmp_path_factory.mktemp("none")
+    proc = run("train.py", COMMON + [f"train.out_dir={out}"])
+    assert "activation checkpointing none (0 of 2 blocks recomputed)" in proc.stdout
+    return train_losses(out)
+
+
+def run_losses(out, args, torchrun=0):
+    proc = run("train.py", COMMON + [f"train.out_dir={out}"] + args, torchrun=torchrun)
+    return proc.stdout, train_losses(out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,recomputed", [("selective", 1), ("full", 2)])
+def test_training_losses_are_bit_identical(losses_without, tmp_path, mode, recomputed):
+    stdout, losses = run_losses(tmp_path, [f"train.activation_checkpointing={mode}"])
+    assert f"activation checkpointing {mode} ({recomputed} of 2 blocks recomputed)" in stdout
+    assert losses == losses_without and sorted(losses) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_compiled_training_run(losses_without, tmp_path):
+    """train.compile=true (Inductor) with every block recomputed trains like the eager run without."""
+    _, losses = run_losses(tmp_path, ["train.activation_checkpointing=full", "train.compile=true"])
+    assert sorted(losses) == [1, 2, 3]
+    for step, loss in losses.items():
+        assert abs(loss - losses_without[step]) < 1e-5 * loss, (losses, losses_without)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_fsdp_two_ranks_full_is_bit_identical_to_none(tmp_path):
+    """FSDP2 units are the blocks; the recomputed forward sits inside them (gloo, 2 ranks)."""
+    fsdp = ["train.parallel=fsdp"]
+    _, none = run_losses(tmp_path / "none", fsdp, torchrun=2)
+    stdout, full = run_losses(tmp_path / "full", fsdp + ["train.activation_checkpointing=full"], torchrun=2)
+    assert "2 rank(s)" in stdout and "activation checkpointing full" in stdout
+    assert full == none and sorted(full) == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ddp_two_ranks_selective_matches_one_process(losses_without, tmp_path):
+    _, ddp = run_losses(tmp_path, ["train.activation_checkpointing=selective"], torchrun=2)
+    assert sorted(ddp) == [1, 2, 3]
+    for step, loss in ddp.items():
+        assert abs(loss - losses_without[step]) < 1e-4 * loss, (ddp, losses_without)
+
+
+def test_memory_benchmark_finds_larger_micro_batches_with_checkpointing():
+    proc = run("scripts.bench_memory", ["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--memory-gib",
+                                        "0.05", "--override", "model.vocab_size=512", "--max-batch", "64",
+                                        "--no-compile", "--steps", "1", "--warmup", "0"])
+    # | model | mode | blocks recomputed | context | micro-batch | peak GiB (eager) | tokens/s | MFU | peak GiB (timed) |
+    rows = {r[1]: r for r in (line.split(" | ") for line in proc.stdout.splitlines()) if r[0] == "| tiny"}
+    assert list(rows) == ["none", "selective", "full"], proc.stdout
+    assert [rows[m][2] for m in rows] == ["0/4", "2/4", "4/4"]
+    batches = [int(rows[m][4]) for m in rows]
+    assert 0 < batches[0] < batches[1] < batches[2] < 64, proc.stdout
+    assert all(float(rows[m][5]) <= 0.05 and float(rows[m][6].replace(",", "")) > 0 for m in rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["castle", "fox_pro"])
+def test_compiled_triton_kernels_recompute_on_cuda(name):
+    """CUDA, fp32, Inductor: the compiled model recomputing every block (the CASTLE custom ops and FoX's
+    Triton function inside) gives the gradients of the compiled model without checkpointing."""
+    model = GPT(tiny(n_layer=2, block_size=64, **VARIANTS[name])).cuda()
+    idx = random_tokens(model.config).cuda()
+    results = {}
+    for mode in ("none", "full"):
+        model.checkpoint_activations(mode)
+        torch._dynamo.reset()
+        results[mode] = loss_and_grads(torch.compile(model), idx, model)
+    assert_same(results["full"], results["none"], rtol=1e-4)
