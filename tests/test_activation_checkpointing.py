@@ -3,17 +3,18 @@ blocks give the loss and every gradient of the run without it, for every attenti
 and FoX Triton kernels, torch.compile, dropout, DDP and FSDP2; the activations saved for the backward
 and the peak memory fall; a cached (inference) forward never recomputes; bad values are named."""
 import functools
-import json
 import os
 
 import pytest
 import torch
 
 import model.gpt as gpt
+import train
 from kernels.castle import castle_attn
 from kernels.forgetting import forgetting_attn
 from model.gpt import GPT
 from scripts.bench_memory import cpu_peak_bytes, largest_fitting
+from test_entry_errors import compose_config
 from test_model import VARIANTS, tiny
 from test_train import TINY, run, train_losses
 
@@ -73,7 +74,6 @@ def triton_kernels(monkeypatch):
     monkeypatch.setattr(gpt, "forgetting_attn", functools.partial(forgetting_attn, impl="triton"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", ["castle_swl", "fox_pro"])
 def test_triton_kernels_recompute_exactly(triton_kernels, name):
     """The CASTLE custom ops and FoX's Triton autograd function run again in the backward and give the
@@ -227,8 +227,11 @@ def test_train_refuses_an_unknown_mode(tmp_path):
     assert proc.returncode == 2 and not os.listdir(tmp_path)
     assert ("train.activation_checkpointing=some is invalid: it must be one of none, selective, full"
             in proc.stderr), proc.stderr
-    proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.activation_checkpointing_every=0"], check=False)
-    assert proc.returncode == 2 and "train.activation_checkpointing_every=0 is invalid" in proc.stderr, proc.stderr
+
+
+def test_train_refuses_a_selective_step_below_one():
+    with pytest.raises(ValueError, match="activation_checkpointing_every=0 is invalid: it must be an integer >= 1"):
+        train.check_train_options(compose_config("config", ["train.activation_checkpointing_every=0"]))
 
 
 COMMON = TINY + ["train.max_steps=3", "train.global_batch_tokens=256", "train.ckpt_interval=100"]
@@ -285,11 +288,12 @@ def test_ddp_two_ranks_selective_matches_one_process(losses_without, tmp_path):
         assert abs(loss - losses_without[step]) < 1e-4 * loss, (ddp, losses_without)
 
 
+@pytest.mark.slow
 def test_memory_benchmark_finds_larger_micro_batches_with_checkpointing():
     proc = run("scripts.bench_memory", ["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--memory-gib",
                                         "0.05", "--override", "model.vocab_size=512", "--max-batch", "64",
                                         "--no-compile", "--steps", "1", "--warmup", "0"])
-    # | model | mode | blocks recomputed | context | micro-batch | peak GiB (eager) | tokens/s | MFU | peak GiB (timed) |
+    # | model | mode | blocks recomputed | context | micro-batch | peak GiB eager | tokens/s | MFU | peak GiB timed |
     rows = {r[1]: r for r in (line.split(" | ") for line in proc.stdout.splitlines()) if r[0] == "| tiny"}
     assert list(rows) == ["none", "selective", "full"], proc.stdout
     assert [rows[m][2] for m in rows] == ["0/4", "2/4", "4/4"]
