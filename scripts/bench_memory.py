@@ -4,7 +4,8 @@
     python -m scripts.bench_memory --models baseline_paper_XL                    # none, selective, full
     python -m scripts.bench_memory --models castle_paper_XL --modes full --max-batch 64
     python -m scripts.bench_memory --models fox_pro_760M --batch 4               # every mode at one micro-batch
-    python -m scripts.bench_memory --device cpu --models tiny --seq-len 64 --memory-gib 0.02 --no-compile
+    python -m scripts.bench_memory --device cpu --models tiny --seq-len 64 --memory-gib 0.05 --no-compile \
+        --override model.vocab_size=512
 
 A training step is forward, backward and AdamW, bf16 autocast on CUDA, on random tokens of the
 experiment's context (or --seq-len). For each model one eager model (no compile: cheap) is built and
@@ -14,8 +15,8 @@ on CUDA the step must run with the allocator capped there (set_per_process_memor
 card answers for a smaller one; default the whole card), on CPU the parameters, gradients, AdamW state
 and the step's own allocations (the profiler's allocation records) must peak within it. A search
 assumes that what fits at a micro-batch fits at every smaller one. Then every mode is compiled and
-timed at its micro-batch (scripts.bench_train's step; torch.compile usually needs no more memory than
-eager, and a compiled step that does not fit is reported as such). Rows print as soon as measured.
+timed at its micro-batch (scripts.bench_train's step); a compiled step that does not fit there is
+reported as such. Rows print as soon as measured.
 """
 import argparse
 import sys
