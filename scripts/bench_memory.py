@@ -169,6 +169,8 @@ def main():
     p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...")
     args = p.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:      # the memory cap needs an explicit index
+        device = torch.device("cuda", torch.cuda.current_device())
     for flag, value, low in [("--activation-checkpointing-every", args.activation_checkpointing_every, 1),
                              ("--max-batch", args.max_batch, 1), ("--batch", args.batch or 1, 1),
                              ("--steps", args.steps, 1), ("--warmup", args.warmup, 0)]:
