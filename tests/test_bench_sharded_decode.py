@@ -56,7 +56,7 @@ ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| (-|
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_benchmark_prints_a_row_per_variant(world, tmp_path):
     out = tmp_path / "rows.json"
     proc = run("scripts.bench_sharded_decode",

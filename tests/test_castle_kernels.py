@@ -46,6 +46,15 @@ def rel(a, b):
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")
 
 
+def slow(*values):
+    """A parameter set that only the full suite runs (the fast subset is `-m "not slow"`)."""
+    return pytest.param(*values, marks=pytest.mark.slow)
+
+
+# the fast subset runs each backward variant once in the tests below (test_triton_matches_reference runs all three)
+ONE_VARIANT_FAST = [BWD_VARIANTS[0], *(slow(v) for v in BWD_VARIANTS[1:])]
+
+
 def inputs(B, H, L, D, dtype=torch.float64, device="cpu", grad=False):
     return [torch.randn(B, H, L, D, dtype=torch.float64, device=device).to(dtype).requires_grad_(grad)
             for _ in range(6)]
@@ -290,8 +299,13 @@ def test_triton_cases_take_both_tile_bounds():
     assert not castle_triton.in_bounds(2048, 64, 96, 128)
 
 
+# the fast subset: one row, ragged blocks, and bf16 with a window and a padded head dimension
+FAST_TRITON_CASES = (0, 1, 21)
+
+
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
-@pytest.mark.parametrize("L,D,window,cfg,dtype,scale", TRITON_CASES)
+@pytest.mark.parametrize("L,D,window,cfg,dtype,scale",
+                         [c if i in FAST_TRITON_CASES else slow(*c) for i, c in enumerate(TRITON_CASES)])
 def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
     """Invariants 5 and 6 for the kernels: forward and all six gradients vs fp64 autograd, for every
     backward variant (CASTLE_BWD_VARIANT)."""
@@ -310,7 +324,7 @@ def test_triton_matches_reference(L, D, window, cfg, dtype, scale, variant):
     assert max(errs) < 2 * tol, errs
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("variant", ONE_VARIANT_FAST)
 def test_triton_backward_head_groups(variant):
     """Both launches take heads in groups (fwd_head_group, BWD_HEAD_GROUP): B*H = 10 makes a full group
     and a partial one, and every head's output and gradients must still be its own."""
@@ -360,7 +374,7 @@ def test_strips_read_allocator_statistics_only_when_capped(monkeypatch):
     assert castle_triton.ds_strips("cuda", 10_000, 35 * mb) == 57 and sorted(reads) == ["allocated", "reserved"]
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("variant", ONE_VARIANT_FAST)
 def test_triton_batch_and_head_permutation(variant):
     """Invariant 14 for the kernels, with B*H = 10 across two backward head groups."""
     xs = inputs(2, 5, 21, 32, torch.float32)
@@ -371,7 +385,7 @@ def test_triton_batch_and_head_permutation(variant):
     assert max(rel(a, b) for a, b in zip(permuted, plain)) < 1e-6
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("variant", ONE_VARIANT_FAST)
 def test_triton_backward_twice(variant):
     """retain_graph: a second backward gives the same gradients (no variant consumes the saved U)."""
     xs = inputs(1, 2, 37, 32, torch.float32, grad=True)
@@ -397,7 +411,7 @@ def test_triton_saves_u_only_when_read(variant):
     assert len(saved) == 8 + (variant != "stored") and len(u_like) == (variant != "stored")
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("variant", ONE_VARIANT_FAST)
 def test_triton_under_torch_compile(variant):
     """To torch.compile the Triton path is two custom ops (forward, backward): a function around it
     compiles as one graph (fullgraph=True raises on a graph break), with the ops' shapes from their fake
@@ -416,9 +430,9 @@ def test_triton_under_torch_compile(variant):
     assert max(rel(a, b) for a, b in zip(g, gref)) < 1e-6
 
 
-@pytest.mark.parametrize("variant", BWD_VARIANTS)
-@pytest.mark.parametrize("D", [64, 128])
-@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("variant", ONE_VARIANT_FAST)
+@pytest.mark.parametrize("D", [64, slow(128)])
+@pytest.mark.parametrize("window", [None, slow(37)])
 def test_triton_gpu_default_tiles(D, window, variant):
     """The tiles a GPU runs by default (gpu_config, bf16) on a shape crossing several blocks of each
     (L = 173: ragged tails; W = 37 ends inside blocks): forward and all six gradients vs fp64
@@ -602,8 +616,8 @@ def test_extend_in_chunks(window):
         assert torch.equal(castle_decode(chunked, *one)[0], castle_decode(whole, *one)[0])
 
 
-@pytest.mark.parametrize("window,prompt,max_len", [(None, 0, None), (None, 21, 24), (0, 3, None), (3, 5, 6),
-                                                    (20, 9, None)])
+@pytest.mark.parametrize("window,prompt,max_len", [slow(None, 0, None), slow(None, 21, 24), slow(0, 3, None),
+                                                    (3, 5, 6), slow(20, 9, None)])
 def test_decode_triton_matches_parallel(window, prompt, max_len):
     """The fused decode kernel (16-row tiles and several splits under the interpreter): every output
     equals the parallel form, and U, the new position's rows and Q^U (written by the kernel, or by the
@@ -617,6 +631,7 @@ def test_decode_triton_matches_parallel(window, prompt, max_len):
     assert torch.equal(cache.kc, xs[1]) and torch.equal(cache.vc, xs[2])
 
 
+@pytest.mark.slow
 def test_decode_triton_bf16_and_errors():
     """bf16 through the kernel, with the inputs in two memory layouts as the model passes them ((B, H, L, D),
     and (B, L, H, D) as RoPE leaves q and k): outputs in bf16 within rounding of fp64; K^C, V^C stored

@@ -77,6 +77,7 @@ def test_default_run_directory_names_model_group_shape_and_data(overrides, out_d
     assert compose_train(overrides).train.out_dir == out_dir
 
 
+@pytest.mark.slow
 def test_train_help_lists_train_groups_only():
     proc = subprocess.run([sys.executable, "train.py", "--help"], cwd=os.path.dirname(CONFIGS), capture_output=True,
                           text=True, timeout=300)

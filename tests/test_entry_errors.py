@@ -276,6 +276,7 @@ def test_train_refuses_a_directory_locked_by_a_live_run(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [".lock"]
 
 
+@pytest.mark.slow
 def test_sample_and_eval_errors_exit_2(tmp_path):
     assert_one_line_error(run("sample.py", [f"ckpt={tmp_path}", "top_p=0"]), "top_p=0", "> 0 and <= 1")
     assert_one_line_error(run("eval.py", [f"ckpt={tmp_path / 'none'}"]), "does not exist", "pass a run directory")

@@ -184,6 +184,7 @@ def test_user_task_through_the_harness_matches_hand_computed_accuracy(model, tok
     assert res["acc_norm,none"] == pytest.approx(np.mean(acc_norm))
 
 
+@pytest.mark.slow
 @needs_data
 def test_local_tasks_match_the_official_prompts(tmp_path):
     """The local copies, loaded offline, produce lm-eval's official prompts and targets."""

@@ -272,9 +272,8 @@ def test_imported_run_works_with_sample_and_eval(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not data_root().is_dir(), reason="needs the local benchmark copies (../shared/data/eval)")
-@pytest.mark.parametrize("variant", ["llama", "fox_pro"])
+@pytest.mark.parametrize("variant", ["llama", pytest.param("fox_pro", marks=pytest.mark.slow)])
 def test_our_lm_eval_adapter_agrees_with_lm_eval_hf_backend(variant, tmp_path, capsys):
     """scripts/compare_lm_eval_hf.py in fp32 on CPU: every request's log-likelihood and every accuracy."""
     model, cfg = random_model(variant, seq_len=256)

@@ -37,8 +37,10 @@ VARIANTS = {
 }
 
 
-def variant_configs():
-    return [pytest.param(tiny(**kw), id=name) for name, kw in VARIANTS.items()]
+def variant_configs(slow=()):
+    """Every variant as a parameter; those named in `slow` run in the full suite only."""
+    return [pytest.param(tiny(**kw), id=name, marks=pytest.mark.slow if name in slow else ())
+            for name, kw in VARIANTS.items()]
 
 
 def test_every_attention_is_tested():
@@ -103,7 +105,7 @@ def test_no_bias_in_llama_style_biases_in_gpt2_style():
     assert any(n.startswith("wpe") for n in names)
 
 
-@pytest.mark.parametrize("config", variant_configs())
+@pytest.mark.parametrize("config", variant_configs(slow=["castle"]))
 def test_overfits_one_batch(config):
     torch.manual_seed(0)
     model = GPT(config)

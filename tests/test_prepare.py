@@ -160,9 +160,9 @@ def no_output(out):
     return not out.exists() or not list(out.glob("*.bin")) and not (out / "manifest.json").exists()
 
 
-@pytest.mark.parametrize("case", ["system binary", "binary named .txt", "latin-1 text", "unknown extension",
-                                  "broken gzip", "not parquet", "empty file", "blank file", "empty folder",
-                                  "missing path"])
+@pytest.mark.parametrize("case", ["system binary"] + [pytest.param(case, marks=pytest.mark.slow) for case in [
+    "binary named .txt", "latin-1 text", "unknown extension", "broken gzip", "not parquet", "empty file", "blank file",
+    "empty folder", "missing path"]])
 def test_prepare_text_refuses_bad_sources(tmp_path, case):
     rng = np.random.default_rng()
     src = write_text_files(tmp_path / "src", 3)  # good files beside the bad one: nothing is prepared from them
@@ -220,6 +220,7 @@ def test_prepare_text_validation_split_larger_than_the_data(tmp_path):
     assert check_manifest(tmp_path / "out")["tokens"] == {"val": total - 1, "train": 1}
 
 
+@pytest.mark.slow
 def test_prepare_text_refuses_an_output_folder_holding_other_data(tmp_path):
     src = write_text_files(tmp_path / "src", 3)
     out = tmp_path / "out"
@@ -245,18 +246,20 @@ def test_prepare_text_refuses_an_output_folder_holding_other_data(tmp_path):
 
 @pytest.mark.parametrize("option, value, expected", [
     ("--workers", "0", "argument --workers: 0 is not in [1, inf]"),
+] + [pytest.param(*case, marks=pytest.mark.slow) for case in [
     ("--shard-tokens", "0", "argument --shard-tokens: 0 is not in [1, 2147483647]"),
     ("--shard-tokens", "3G", "argument --shard-tokens: 3000000000 is not in [1, 2147483647]"),
     ("--max-tokens", "1.5", "argument --max-tokens: not a whole number: '1.5'"),
     ("--val-tokens", "ten", "argument --val-tokens: not a count: 'ten'"),
     ("--max-shards", "0", "argument --max-shards: 0 is not in [1, inf]"),
-])
+]])
 def test_prepare_text_refuses_out_of_range_options(tmp_path, option, value, expected):
     src = write_text_files(tmp_path / "src", 1)
     assert_refused(cli("prepare_text", "--source", src, "--out", tmp_path / "out", option, value), expected)
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_fineweb_edu_refuses_bad_sources_and_options(tmp_path):
     assert_refused(cli("prepare_fineweb_edu", "--source", tmp_path / "typo", "--out", tmp_path / "o"),
                    f"--source {tmp_path / 'typo'}: no such file or folder (a Hub dataset is named owner/name")
@@ -398,6 +401,7 @@ def test_fineweb_edu_min_int_score_needs_the_column(tmp_path):
         run_fineweb(tmp_path / "src", tmp_path / "out", "--workers", "1")
 
 
+@pytest.mark.slow
 def test_prepare_scripts_document_their_options(capsys):
     for script in (prepare_text, prepare_fineweb_edu, prepare_longcrawl64):
         with pytest.raises(SystemExit):

@@ -143,6 +143,7 @@ def run_world(world, backend="gloo"):
 
 # world 4 runs every variant: on 2 CPU cores spawning its 4 processes takes ~12 s and the 7
 # variants ~10 s, so a subset would save little
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -190,6 +191,7 @@ def checkpoint(request, tmp_path_factory):
     return out, single
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3])
 def test_torchrun_sharded_sample_prints_the_single_process_text(checkpoint, world):
@@ -199,6 +201,7 @@ def test_torchrun_sharded_sample_prints_the_single_process_text(checkpoint, worl
     assert sharded == single, (sharded, single)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_torchrun_without_sharded_is_a_clear_error(tmp_path):
     proc = run("sample.py", [f"ckpt={tmp_path}", "max_new_tokens=2"], torchrun=2, check=False)

@@ -74,6 +74,7 @@ def test_resume_reproduces_uninterrupted_losses_exactly(trained_run, tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_two_ranks_matches_gradient_accumulation(tmp_path):
     common = TINY + ["train.max_steps=3", "train.global_batch_tokens=256", "train.ckpt_interval=100"]
     run("train.py", common + [f"train.out_dir={tmp_path / 'one'}"])                 # accumulation 2
@@ -85,6 +86,7 @@ def test_torchrun_two_ranks_matches_gradient_accumulation(tmp_path):
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
     """FSDP2 on 2 ranks: same losses as one process; its checkpoint resumes and samples."""
     common = TINY + ["train.max_steps=4", "train.global_batch_tokens=256", "train.ckpt_interval=2",
@@ -119,11 +121,13 @@ def test_eval_script_writes_results(trained_run):
     assert 0 < results["heldout"]["loss"] < 11.5 and results["heldout"]["perplexity"] > 1
 
 
+@pytest.mark.slow
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     proc = run("sample.py", [f"ckpt={tmp_path / 'nothing'}"], check=False)
     assert proc.returncode != 0 and "does not exist" in proc.stderr
 
 
+@pytest.mark.slow
 def test_checkpoint_from_another_model_is_refused(trained_run, tmp_path):
     out = str(tmp_path / "other")
     shutil.copytree(trained_run, out)
@@ -132,6 +136,7 @@ def test_checkpoint_from_another_model_is_refused(trained_run, tmp_path):
     assert proc.returncode != 0 and "another model" in proc.stderr and "n_layer" in proc.stderr
 
 
+@pytest.mark.slow
 def test_resume_takes_the_model_and_data_settings_from_the_checkpoint(trained_run, tmp_path):
     """Continuing a run needs no model or data override repeated: they come from the checkpoint."""
     out = str(tmp_path / "continued")
@@ -143,12 +148,14 @@ def test_resume_takes_the_model_and_data_settings_from_the_checkpoint(trained_ru
     assert sorted(train_losses(out)) == list(range(1, 8))
 
 
+@pytest.mark.slow
 def test_indivisible_batch_is_a_clear_error(tmp_path):
     proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.global_batch_tokens=100"],
                check=False)
     assert proc.returncode != 0 and "global_batch_tokens" in proc.stderr
 
 
+@pytest.mark.slow
 def test_nan_loss_stops_and_names_the_step(tmp_path):
     proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "optim.lr=1e12", "optim.warmup_steps=1",
                                    "optim.grad_clip=1e30", "train.max_steps=30",
@@ -156,6 +163,7 @@ def test_nan_loss_stops_and_names_the_step(tmp_path):
     assert proc.returncode != 0 and "non-finite" in proc.stderr and "at step" in proc.stderr
 
 
+@pytest.mark.slow
 def test_training_benchmark_script_runs():
     proc = run("scripts.bench_train", ["--device", "cpu", "--models", "tiny", "castle_paper_S", "--steps", "1",
                                           "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile",
@@ -189,6 +197,7 @@ def test_scaling_benchmark_script_runs(tmp_path):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_a_checkpoint_and_resume_continues(tmp_path):
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     args = [a for a in TINY if not a.startswith("WANDB_MODE")]

@@ -370,6 +370,7 @@ def run_world(world, backend):
     return {name: [res[name] for res in per_rank] for name in CHECKS}
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("check", list(CHECKS))
