@@ -265,8 +265,10 @@ def test_imported_run_works_with_sample_and_eval(tmp_path):
     r = run("sample.py", f"ckpt={tmp_path / 'run'}", "prompt=The history of", "max_new_tokens=5", "temperature=0",
             "device=cpu")
     assert r.returncode == 0 and "The history of" in r.stdout, r.stderr
-    r = run("eval.py", f"ckpt={tmp_path / 'run'}", "eval.tasks=[heldout]", "device=cpu")
+    r = run("eval.py", f"ckpt={tmp_path / 'run'}", "eval.tasks=[heldout,tint]", "device=cpu", "tint.seq_len=32",
+            "tint.batches=1", "tint.batch_size=1", "tint.task=null", "tint.methods=[vanilla,tint_ref,tint_sim]")
     assert r.returncode == 0 and (tmp_path / "run" / "results.json").is_file(), r.stderr
+    assert "tint_sim" in json.dumps(json.loads((tmp_path / "run" / "results.json").read_text())["tint"]["text"])
     r = run("-m", "scripts.import_hf", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "x"))
     assert r.returncode == 2 and r.stderr.startswith("error: ") and "no config.json" in r.stderr
     assert not (tmp_path / "x").exists()
