@@ -350,6 +350,13 @@ def print_sample(model, cfg, device):
     print("--------------")
 
 
+def realised_mix(loader):
+    """{"data_mix": {source: share of the sequences read so far}} for a data.mix run, else {}."""
+    counts = loader.source_counts()
+    total = sum(counts.values())
+    return {"data_mix": {name: n / total for name, n in counts.items()}} if len(counts) > 1 and total else {}
+
+
 def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
     """Final lines of a run, and loss.png in the run dir."""
     plot = plot_runs([out_dir], os.path.join(out_dir, "loss.png"))
@@ -492,6 +499,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                           "tok_per_s": tok_s}
                 if device.type == "cuda":
                     record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
+                record.update(realised_mix(loader))
                 losses = []
                 summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
                 if dist_info.master:

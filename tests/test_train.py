@@ -246,3 +246,22 @@ def test_lr_schedule_warms_up_from_zero_then_cosine_to_the_floor():
     assert at[60] == pytest.approx(lr * (1 + floor) / 2)          # half-way down the cosine
     assert at[max_steps] == pytest.approx(lr * floor) and at[149] == pytest.approx(lr * floor)
     assert all(a >= b for a, b in zip(at[warmup:], at[warmup + 1:]))
+
+
+@pytest.mark.slow
+def test_a_mix_logs_its_realised_proportions(tmp_path):
+    """data.mix through train.py: every logged record carries the shares read so far, near the weights."""
+    text = open(os.path.join(ROOT, "data", "sample", "night_and_day.txt"), encoding="utf-8").read()
+    folders = []
+    for i, part in enumerate((text[:200_000], text[200_000:400_000])):
+        (tmp_path / f"{i}.txt").write_text(part, encoding="utf-8")
+        run("data.prepare_text", ["--source", str(tmp_path / f"{i}.txt"), "--out", str(tmp_path / f"d{i}"),
+                                  "--val-tokens", "2000"])
+        folders.append(str(tmp_path / f"d{i}"))
+    mix = "data.mix=[{dir:%s,weight:3},{dir:%s,weight:1}]" % tuple(folders)
+    run("train.py", TINY + ["data=mix", mix, f"train.out_dir={tmp_path / 'run'}", "train.max_steps=5",
+                            "train.ckpt_interval=100", "data.val_tokens=1000"])
+    with open(tmp_path / "run" / "metrics.jsonl") as f:
+        shares = [json.loads(line)["data_mix"] for line in f if '"loss"' in line]
+    assert len(shares) == 5
+    assert shares[-1] == {folders[0]: 0.75, folders[1]: 0.25}   # 5 steps x 4 sequences: 15 and 5
