@@ -231,9 +231,29 @@ def entry_point(config_name, literal_keys=()):
                 try:
                     hydra_job()
                 except HydraException as e:
-                    fail(e, 2)
+                    fail(ValueError(f"{e}{groups_with_option(str(e))}"), 2)
         return main
     return decorate
+
+
+def groups_with_option(message):
+    """For Hydra's "Could not override 'G.KEY'" where KEY is absent from the chosen group G: the
+    groups of configs/G/ that have KEY, so the user knows which group to pick first ('' otherwise)."""
+    match = re.search(r"Could not override '(\w+)\.(\w+)'", message)
+    if not match:
+        return ""
+    group, key = match.groups()
+    folder = os.path.join(CONFIG_DIR, group)
+    if not os.path.isdir(folder):
+        return ""
+    def defines(name):
+        with open(os.path.join(folder, name)) as f:
+            return re.search(rf"^{key}:", f.read(), re.M) is not None
+
+    having = sorted(name[:-5] for name in os.listdir(folder) if name.endswith(".yaml") and defines(name))
+    if not having:
+        return f" ({group}.{key} is not an option of any {group} group)"
+    return f" ({group}.{key} is an option of {group}=" + "|".join(having) + f": choose one of them first)"
 
 
 def fail(error, code):

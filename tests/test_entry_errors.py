@@ -18,7 +18,7 @@ import sample
 import train
 from model.checkpoint import CHECKPOINT_FORMAT, config_dict
 from model.gpt import GPTConfig
-from model.runtime import CONFIG_DIR, choose_device, entry_point, quote_literal
+from model.runtime import CONFIG_DIR, choose_device, entry_point, groups_with_option, quote_literal
 
 ROOT = os.path.dirname(CONFIG_DIR)
 
@@ -280,3 +280,15 @@ def test_train_refuses_a_directory_locked_by_a_live_run(tmp_path):
 def test_sample_and_eval_errors_exit_2(tmp_path):
     assert_one_line_error(run("sample.py", [f"ckpt={tmp_path}", "top_p=0"]), "top_p=0", "> 0 and <= 1")
     assert_one_line_error(run("eval.py", [f"ckpt={tmp_path / 'none'}"]), "does not exist", "pass a run directory")
+
+
+@pytest.mark.parametrize("message, expected", [
+    ("Could not override 'model.fgate'. To append ...",
+     " (model.fgate is an option of model=fox_llama|fox_pro: choose one of them first)"),
+    ("Could not override 'model.castle_window'. ...",
+     " (model.castle_window is an option of model=castle_swl: choose one of them first)"),
+    ("Could not override 'model.nonsense'. ...", " (model.nonsense is not an option of any model group)"),
+    ("Could not override 'nogroup.key'. ...", ""),
+    ("Could not load 'model/nope'", "")])
+def test_an_option_of_another_model_group_names_the_groups_that_have_it(message, expected):
+    assert groups_with_option(message) == expected
