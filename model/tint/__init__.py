@@ -9,6 +9,8 @@ updated auxiliary model (paper §2, §3.1). Two levels, which the tests check ag
                    formulations, and the exact-gradient dynamic-evaluation baselines;
     simulator.py   the simulator transformer ("TinT-Sim"): the auxiliary weights are data on prefix rows,
                    linear-attention heads compute every auxiliary linear map (forward, backward, descent);
+                   built from layers.py (each primitive with its gate; the Forward / Backward modules)
+                   and primitives.py (row layout, SimConfig, side channels, H-split maps, TinT attention);
     params.py      the simulator's exact parameter count and the paper's Table 1 formula;
     auxiliary.py   what both read from the auxiliary GPT, and the math they share (masks, normaliser,
                    activation, loss gradient at the head).
@@ -31,18 +33,9 @@ top `n_layers` untouched, each sequence of a batch gets its own update.
 from model.tint.auxiliary import final_params, layer_params
 from model.tint.params import paper_param_formula, tint_param_formula
 from model.tint.reference import dyn_eval_reference, tint_reference, tint_update
-from model.tint.simulator import (
-    ActivationMemory,
-    BackwardDescentLayer,
-    HSplitLinear,
-    LinearLayer,
-    PrefixMemory,
-    SideChannel,
-    SimConfig,
-    TinT,
-    decode_linear,
-    encode_linear,
-)
+from model.tint.layers import BackwardDescentLayer, LinearLayer
+from model.tint.primitives import ActivationMemory, HSplitLinear, PrefixMemory, SideChannel, SimConfig
+from model.tint.simulator import TinT, decode_linear, encode_linear
 
 __all__ = ["ActivationMemory", "BackwardDescentLayer", "HSplitLinear", "LinearLayer", "PrefixMemory",
            "SideChannel", "SimConfig", "TinT", "decode_linear", "dyn_eval_reference", "encode_linear",

@@ -4,7 +4,7 @@ Our count is lower than the paper's because the prefix layout of simulator.py (t
 every re-ordering inside a linear module a whole-shard move: those maps need one dimension-wise H-split
 stage (d H^2 parameters), where the paper's Q_split also counts a split-wise one (D_s^2 / H).
 """
-from model.tint.simulator import SimConfig
+from model.tint.primitives import SimConfig
 
 
 def tint_param_formula(cfg: SimConfig):
