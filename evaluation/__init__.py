@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from data.loader import build_loader
 from data.longcrawl64 import DOC_LEN, LongCrawl64Loader
 from data.tokenizer import tokenizer_for
+from model.runtime import shown
 
 EVALUATIONS = {}
 CHECKS = {}
@@ -62,15 +63,6 @@ class Context:
 
 
 # ----------------------------------------------------------------------------- option checks
-
-def shown(value):
-    """A config value as the user writes it on the command line."""
-    if value is None or isinstance(value, bool):
-        return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
-        return "[" + ",".join(shown(v) for v in value) + "]"
-    return str(value)
-
 
 def check_int(value, option, low=1, high=None, none=False):
     """`value` if it is an integer in [low, high] (or None when `none`), else a ValueError naming `option`."""

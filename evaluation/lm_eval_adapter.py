@@ -29,7 +29,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
-from evaluation import check_int, check_list, check_positions, evaluation, shown
+from evaluation import check_int, check_list, check_positions, evaluation
+from model.runtime import shown
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 
 from data.sample.tei_to_text import tei_to_text
-from evaluation import check_int, check_list, check_number, evaluation, shown
+from evaluation import check_int, check_list, check_number, evaluation
+from model.runtime import shown
 from evaluation.lm_eval_adapter import REPO
 
 QUESTION = "What is the best thing to do in San Francisco?"

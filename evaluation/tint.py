@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from evaluation import ValSplit, check_int, check_list, check_number, evaluation, shown
+from evaluation import ValSplit, check_int, check_list, check_number, evaluation
+from model.runtime import shown
 from model.tint import (
     SimConfig,
     TinT,

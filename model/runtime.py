@@ -19,6 +19,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -163,7 +164,7 @@ def shown(value):
     """A config value as it is written on the command line."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) or OmegaConf.is_list(value):
         return "[" + ",".join(shown(v) for v in value) + "]"
     return str(value)
 
@@ -253,7 +254,7 @@ def groups_with_option(message):
     having = sorted(name[:-5] for name in os.listdir(folder) if name.endswith(".yaml") and defines(name))
     if not having:
         return f" ({group}.{key} is not an option of any {group} group)"
-    return f" ({group}.{key} is an option of {group}=" + "|".join(having) + f": choose one of them first)"
+    return f" ({group}.{key} is an option of {group}=" + "|".join(having) + ": choose one of them first)"
 
 
 def fail(error, code):
