@@ -131,6 +131,16 @@ class TokenLoader:
     def load_state_dict(self, state):
         self.step = step_from_position(state["position"], self.world_size * self.batch_size * self.seq_len)
 
+    def distinct_tokens(self):
+        """Tokens served before any source wraps around: a source with a share p of the samples and n
+        tokens lasts n / p tokens of the mixed stream (one source: all of its tokens)."""
+        remaining, overall = 1, []
+        for share in self.schedule.shares:          # each source's share of what the earlier ones leave
+            overall.append(remaining * share)
+            remaining *= 1 - share
+        overall.append(remaining)
+        return int(min(stream.n_tokens / p for stream, p in zip(self.streams, overall) if p > 0))
+
     def source_counts(self):
         """{source name: sequences all ranks have read from it so far}: the realised mix, e.g. to log."""
         consumed = self.step * self.world_size * self.batch_size

@@ -110,17 +110,6 @@ def check_positions(model, seq_len, option):
 
 # ----------------------------------------------------------------------------- the val split
 
-def distinct_tokens(loader):
-    """Tokens a TokenLoader serves before any of its sources wraps around: a source with a share p of
-    the samples and n tokens lasts n / p tokens of the mixed stream (one source: all of its tokens)."""
-    remaining, overall = 1, []
-    for share in loader.schedule.shares:            # each source's share of what the earlier ones leave
-        overall.append(remaining * share)
-        remaining *= 1 - share
-    overall.append(remaining)
-    return int(min(stream.n_tokens / p for stream, p in zip(loader.streams, overall) if p > 0))
-
-
 class ValSplit:
     """The val split of a data config: how many distinct sequences of a length it holds, and a loader
     that serves them (data.loader wraps around at the end of the split; evaluations never let it)."""
@@ -132,7 +121,7 @@ class ValSplit:
             self.documents, self.doc_len = probe.rows, DOC_LEN
             self.size = f"{self.documents:,} documents of {DOC_LEN:,} tokens"
         else:                                       # shard tokens: one folder, or a weighted mix
-            self.tokens, self.doc_len = distinct_tokens(probe), None
+            self.tokens, self.doc_len = probe.distinct_tokens(), None
             self.size = f"{self.tokens:,} tokens"
 
     def sequences(self, seq_len, batch_size):

@@ -759,3 +759,14 @@ def test_build_loader_longcrawl64(longcrawl):
     assert y.shape == (1, DOC_LEN) and torch.equal(y, chunk([0], 0, DOC_LEN)) and x[0, 0] == EOT
     cfg.order = "shuffled"
     assert build_loader(cfg, "val", 1, DOC_LEN).order == "paper"  # validation is always file order
+
+
+def test_distinct_tokens_of_a_mix_stop_where_the_first_source_wraps(tmp_path):
+    """A mix reads sources in proportion to their weights; the distinct tokens it serves end when the
+    first source runs out: 1000 tokens at share 3/4 last 1333 tokens, 4000 at 1/4 would last 16000."""
+    write_shard(tmp_path / "a.bin", np.random.randint(0, 50257, 1000))
+    write_shard(tmp_path / "b.bin", np.random.randint(0, 50257, 4000))
+    one = TokenLoader([[tmp_path / "b.bin"]], 2, 8, vocab_size=50257)
+    mix = TokenLoader([[tmp_path / "a.bin"], [tmp_path / "b.bin"]], 2, 8, vocab_size=50257, weights=[3, 1])
+    assert one.distinct_tokens() == 4000
+    assert mix.distinct_tokens() == 1333

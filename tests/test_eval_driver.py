@@ -631,18 +631,3 @@ def test_tint_driver_simulator_agrees_with_the_reference(learned_checkpoint, sma
     assert sim["perplexity"]["tint_sim"] == pytest.approx(sim["perplexity"]["tint_ref"], rel=1e-9)
     assert sim["perplexity"]["tint_ref"] != pytest.approx(sim["perplexity"]["vanilla"], rel=1e-9)   # lr moved it
     assert got["task"]["sim_subset"]["acc"]["tint_sim"] == got["task"]["sim_subset"]["acc"]["tint_ref"]
-
-
-def test_distinct_tokens_of_a_mix_stop_where_the_first_source_wraps(tmp_path):
-    """A mix reads sources in proportion to their weights; the distinct tokens it serves end when the
-    first source runs out: 1000 tokens at share 3/4 last 1333 tokens, 4000 at 1/4 would last 16000."""
-    from data.loader import TokenLoader
-    from data.shards import write_shard
-    from evaluation import distinct_tokens
-
-    write_shard(tmp_path / "a.bin", np.random.randint(0, 50257, 1000))
-    write_shard(tmp_path / "b.bin", np.random.randint(0, 50257, 4000))
-    one = TokenLoader([[tmp_path / "b.bin"]], 2, 8, vocab_size=50257)
-    mix = TokenLoader([[tmp_path / "a.bin"], [tmp_path / "b.bin"]], 2, 8, vocab_size=50257, weights=[3, 1])
-    assert distinct_tokens(one) == 4000
-    assert distinct_tokens(mix) == 1333
