@@ -198,3 +198,9 @@ def test_swa_experiments_are_transformer_llama_with_the_papers_window(size):
     swa, full = experiment_model(f"transformer_swa_{size}"), experiment_model(f"transformer_llama_{size}")
     assert swa.config.attention_window == 2048 and full.config.attention_window is None
     assert swa.num_params() == full.num_params()
+
+
+def test_swa_xs_is_the_compare_xs_llama_with_a_window():
+    swa, full = experiment_model("transformer_swa_XS"), experiment_model("compare_XS")
+    assert swa.config.attention_window == 256 and swa.config.attention == full.config.attention == "baseline"
+    assert swa.num_params() == full.num_params()
