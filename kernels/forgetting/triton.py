@@ -60,24 +60,31 @@ if triton is not None:
     def _rel_c(CO, CB, offs, start, c_ref, GATED: tl.constexpr):
         # log2(e) * (c[offs] - c_ref) in fp32, for positions offs in the c block that holds `start`:
         # one fp32 load and add per position, the fp64 part once per tile (see split_c); 0 without a gate
+        # (constexpr branches assign and one return follows: a return inside a static branch would not
+        # end the function for Triton's code generator)
         if GATED:
-            return tl.load(CO + offs) + (tl.load(CB + start // C_BLOCK) - c_ref).to(tl.float32)
-        return tl.zeros(offs.shape, tl.float32)
+            c = tl.load(CO + offs) + (tl.load(CB + start // C_BLOCK) - c_ref).to(tl.float32)
+        else:
+            c = tl.zeros(offs.shape, tl.float32)
+        return c
 
     @triton.jit
     def _c_ref(CB, start, GATED: tl.constexpr):
         # the fp64 reference of a program's biases: c at the first position of `start`'s c block
         if GATED:
-            return tl.load(CB + start // C_BLOCK)
-        return 0.0
+            c_ref = tl.load(CB + start // C_BLOCK)
+        else:
+            c_ref = 0.0
+        return c_ref
 
     @triton.jit
     def _visible(d, WINDOW, WINDOWED: tl.constexpr):
         # may a query see a key d = (query position - key position) before it: causal, and inside the
         # sliding window (the last WINDOW positions, the query's own included) if there is one
+        ok = d >= 0
         if WINDOWED:
-            return (d >= 0) & (d < WINDOW)
-        return d >= 0
+            ok = ok & (d < WINDOW)
+        return ok
 
     # Tile ranges of the sliding window (all positions multiples of the step, so every range is whole
     # tiles). The window empties every tile outside them; the kernels never visit those.
@@ -85,35 +92,38 @@ if triton is not None:
     @triton.jit
     def _keys_from(q_start, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
         # the first key tile that a query >= q_start sees
+        lo = 0
         if WINDOWED:
-            return tl.maximum(q_start - WINDOW + 1, 0) // STEP * STEP
-        return 0
+            lo = tl.maximum(q_start - WINDOW + 1, 0) // STEP * STEP
+        return lo
 
     @triton.jit
     def _keys_whole_from(q_start, q_end, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
         # the first key tile that every query of [q_start, q_end) sees whole (clamped to
         # [_keys_from, q_start]); the tiles before it are cut by the window and need the mask
+        whole = 0
         if WINDOWED:
-            lo = _keys_from(q_start, WINDOW, STEP, WINDOWED)
             whole = tl.cdiv(tl.maximum(q_end - WINDOW, 0), STEP) * STEP
-            return tl.minimum(tl.maximum(whole, lo), q_start)
-        return 0
+            whole = tl.minimum(tl.maximum(whole, _keys_from(q_start, WINDOW, STEP, WINDOWED)), q_start)
+        return whole
 
     @triton.jit
     def _queries_to(k_end, L, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
         # the end of the query tiles that see a key < k_end
+        hi = L
         if WINDOWED:
-            return tl.minimum(tl.cdiv(k_end - 1 + WINDOW, STEP) * STEP, L)
-        return L
+            hi = tl.minimum(tl.cdiv(k_end - 1 + WINDOW, STEP) * STEP, L)
+        return hi
 
     @triton.jit
     def _queries_whole_to(k_start, k_end, L, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
         # the end of the query tiles (from k_end on) that see every key of [k_start, k_end) (clamped
         # to [k_end, _queries_to]); the tiles after it are cut by the window and need the mask
+        whole = L
         if WINDOWED:
-            hi = _queries_to(k_end, L, WINDOW, STEP, WINDOWED)
-            return tl.maximum(tl.minimum((k_start + WINDOW) // STEP * STEP, hi), k_end)
-        return L
+            whole = tl.minimum((k_start + WINDOW) // STEP * STEP, _queries_to(k_end, L, WINDOW, STEP, WINDOWED))
+            whole = tl.maximum(whole, k_end)
+        return whole
 
     @triton.jit
     def _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m, lo, hi, scale2,
