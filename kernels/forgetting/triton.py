@@ -78,12 +78,12 @@ if triton is not None:
         return c_ref
 
     @triton.jit
-    def _visible(d, WINDOW, WINDOWED: tl.constexpr):
-        # may a query see a key d = (query position - key position) before it: causal, and inside the
-        # sliding window (the last WINDOW positions, the query's own included) if there is one
-        ok = d >= 0
+    def _visible(q_pos, k_pos, WINDOW, WINDOWED: tl.constexpr):
+        # may queries q_pos see keys k_pos (broadcast against each other): causal, and inside the sliding
+        # window (the last WINDOW positions, the query's own included) if there is one
+        ok = q_pos >= k_pos
         if WINDOWED:
-            ok = ok & (d < WINDOW)
+            ok = ok & (q_pos - k_pos < WINDOW)
         return ok
 
     # Tile ranges of the sliding window (all positions multiples of the step, so every range is whole
@@ -136,13 +136,14 @@ if triton is not None:
             ck = _rel_c(CO, CB, cols, start_n, c_ref, GATED)
             s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 - ck[None, :]
             if MASK:
-                s = tl.where(_visible(offs_m[:, None] - cols[None, :], WINDOW, WINDOWED), s, float("-inf"))
+                s = tl.where(_visible(offs_m[:, None], cols[None, :], WINDOW, WINDOWED), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_exp = m_new
-            if MASK:
-                # a row may have seen no key yet (the window): exponentiate against 0 there, so that
-                # exp2(-inf - m) is 0, not NaN; its max stays -inf until it sees one
-                m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if WINDOWED:
+                if MASK:
+                    # a row may have seen no key yet (the window; causal rows see key 0 first): exponentiate
+                    # against 0 there, so that exp2(-inf - m) is 0, not NaN; its max stays -inf until it sees one
+                    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
             p = tl.math.exp2(s - m_exp[:, None])
             alpha = tl.math.exp2(m_i - m_exp)
             l_i = l_i * alpha + tl.sum(p, 1)
@@ -227,7 +228,7 @@ if triton is not None:
             row_bias = cq - tl.load(LSE2 + rows)
             st = tl.dot(k, qt, input_precision=DOT_PREC) * scale2 + row_bias[None, :] - ck[:, None]
             if MASK:
-                st = tl.where(_visible(rows[None, :] - offs_n[:, None], WINDOW, WINDOWED), st, float("-inf"))
+                st = tl.where(_visible(rows[None, :], offs_n[:, None], WINDOW, WINDOWED), st, float("-inf"))
             pt = tl.math.exp2(st)
             do = tl.load(DO + rows[:, None] * HEAD_DIM + offs_d[None, :])
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
@@ -252,7 +253,7 @@ if triton is not None:
             ck = _rel_c(CO, CB, cols, start_n, c_ref, GATED)
             s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 + row_bias[:, None] - ck[None, :]
             if MASK:
-                s = tl.where(_visible(offs_m[:, None] - cols[None, :], WINDOW, WINDOWED), s, float("-inf"))
+                s = tl.where(_visible(offs_m[:, None], cols[None, :], WINDOW, WINDOWED), s, float("-inf"))
             p = tl.math.exp2(s)
             dp = tl.dot(do, vt, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
