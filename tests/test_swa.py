@@ -110,6 +110,19 @@ def test_short_stream_allocates_only_its_length():
     assert cache.layers[0].capacity == 10
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["baseline", "fox_pro"])
+def test_gpu_window_cache_equals_uncached(variant):
+    """On a GPU (Triton training kernels uncached, the Triton split-KV decode kernel cached), fp32, a
+    window cutting tiles: every position's logits agree."""
+    torch.manual_seed(0)
+    model = GPT(tiny(**VARIANTS[variant], attention_window=37, n_embd=128)).cuda().eval()
+    idx = torch.randint(0, 97, (2, 300), device="cuda")
+    with torch.no_grad():
+        got, _ = cached_logits(model, idx, prefill=150, chunk=1, max_len=300)
+        torch.testing.assert_close(got, model(idx)[0], rtol=0, atol=1e-3)
+
+
 # ----------------------------------------------------------------------------- sharded decoding
 
 def check_sharded(variant, world, group):
@@ -204,3 +217,22 @@ def test_swa_xs_is_the_compare_xs_llama_with_a_window():
     swa, full = experiment_model("transformer_swa_XS"), experiment_model("compare_XS")
     assert swa.config.attention_window == 256 and swa.config.attention == full.config.attention == "baseline"
     assert swa.num_params() == full.num_params()
+
+
+@pytest.mark.parametrize("variant", ["baseline", "fox_pro"])
+def test_hf_custom_model_keeps_the_window(variant):
+    """The exported model (modeling_attn_lm.py, plain materialized attention) applies the window on real
+    tokens, left padding included; no stock transformers class is offered for a windowed model."""
+    from model.hf.convert import choose_architecture, hf_config
+    from model.hf.modeling_attn_lm import AttnLMForCausalLM
+    model = windowed_model(variant, 5)
+    hf = AttnLMForCausalLM(hf_config(model.config, "custom", 97, torch.float64)).double().eval()
+    hf.load_state_dict(model.state_dict(), strict=False)   # our names; the RoPE tables are not weights
+    idx = torch.randint(0, 97, (2, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(idx).logits, model(idx)[0], rtol=0, atol=1e-8)
+        padded = hf(torch.cat([idx.new_zeros(2, 3), idx], 1), attention_mask=torch.cat(
+            [idx.new_zeros(2, 3), torch.ones_like(idx)], 1)).logits[:, 3:]
+        torch.testing.assert_close(padded, model(idx)[0], rtol=0, atol=1e-8)
+    assert choose_architecture(GPTConfig(attention_window=5), "auto") == "custom"
+    assert choose_architecture(GPTConfig(), "auto") == "llama"
