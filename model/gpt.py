@@ -455,7 +455,8 @@ def make_forget_gate(config):
 
 
 class SoftmaxAttention(nn.Module):
-    """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block.
+    """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block; with
+    model.attention_window = W over the last W positions only (Transformer-SWA, FoX arXiv:2503.02130 §F.4).
 
     Order inside the layer (FoX, arXiv:2503.02130 App. A, eqs (15)-(23)): projections -> KV-shift ->
     QK-norm -> RoPE -> forget gate -> attention -> per-head output norm * output gate -> output projection.
