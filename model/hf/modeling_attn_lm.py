@@ -35,7 +35,8 @@ from transformers.modeling_outputs import CausalLMOutput
 MODEL_DEFAULTS = dict(
     vocab_size=50304, tokenizer_vocab_size=None, block_size=1024, n_layer=12, n_head=12, n_embd=768,
     head_dim=None, bias=False, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", mlp_ratio=4.0, mlp_hidden=None,
-    mlp_multiple_of=1, pos="rope", rope_theta=10000.0, attention="baseline", dropout=0.0, init_std=0.02,
+    mlp_multiple_of=1, pos="rope", rope_theta=10000.0, attention="baseline", attention_window=None, dropout=0.0,
+    init_std=0.02,
     scaled_residual_init=True, castle_window=None, castle_rope="qk", castle_match_heads=False,
     fgate="data_dependent", fgate_bias_init=0.0, fgate_tmin=None, fgate_tmax=None, qk_norm=False,
     qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False)
@@ -305,6 +306,8 @@ class AttnLMForCausalLM(PreTrainedModel, GenerationMixin):
         idx = torch.arange(T, device=input_ids.device)
         # causal; padding is never a key, and a padding query sees itself so its row stays finite
         allowed = (idx[:, None] >= idx[None, :]) & (valid[:, None, None, :] | (idx[:, None] == idx[None, :]))
+        if self.config.attention_window is not None:   # sliding window: the last W positions (padding is outside)
+            allowed = allowed & (idx[:, None] - idx[None, :] < self.config.attention_window)
         x = self.wte(input_ids)
         if self.wpe is not None:
             x = x + self.wpe(positions)
