@@ -602,7 +602,7 @@ def test_prefill_into_a_given_cache():
         assert torch.equal(castle_decode(cache, *one)[0], castle_decode(own, *one)[0])
     with pytest.raises(ValueError, match="empty cache"):
         castle_prefill(*xs, cache=cache)
-    with pytest.raises(ValueError, match="no window, scale or max_len"):
+    with pytest.raises(ValueError, match="no window, scale, silu or max_len"):
         castle_prefill(*xs, window=4, cache=CastleCache(2, 3, 8, max_len=12, dtype=torch.float64, device="cpu"))
 
 
@@ -838,9 +838,9 @@ def test_ablation_cache_refuses_the_other_variant():
 # GPU: the kernels at real shapes in bf16 (skipped without CUDA)
 
 
-def _naive_bf16(qc, kc, vc, qu, ku, vu, window):
+def _naive_bf16(qc, kc, vc, qu, ku, vu, window, silu=True):
     """The parallel form with bf16 matmuls and fp32 elementwise math, as autocast would run it: the
-    accuracy a straightforward bf16 implementation gets on the same inputs."""
+    accuracy a straightforward bf16 implementation gets on the same inputs (kc None: no causal keys)."""
     L, D = qc.shape[-2:]
     scale = D ** -0.5
     idx = torch.arange(L, device=qc.device)
@@ -849,24 +849,25 @@ def _naive_bf16(qc, kc, vc, qu, ku, vu, window):
     a_u = torch.sigmoid(scale * (qu @ ku.mT).float()).masked_fill(~ahead, 0.0)
     r = (scale * (qc @ vu.mT).float()).masked_fill(~causal, 0.0)
     s_u = (r.bfloat16() @ a_u.bfloat16().mT).float()
-    scores = (scale * (qc @ kc.mT).float() - F.silu(s_u)).masked_fill(~causal, float("-inf"))
+    scores = (0.0 if kc is None else scale * (qc @ kc.mT).float()) - (F.silu(s_u) if silu else s_u)
+    scores = scores.masked_fill(~causal, float("-inf"))
     return torch.softmax(scores, dim=-1).bfloat16() @ vc
 
 
-def _gpu_case(B, H, L, D, window, dtype=torch.bfloat16, cfg=None):
-    """Relative errors vs fp64 autograd of the kernels' output and six gradients, and (bf16) those of
-    the naive bf16 computation on the same inputs."""
+def _gpu_case(B, H, L, D, window, dtype=torch.bfloat16, cfg=None, causal_keys=True, silu=True):
+    """Relative errors vs fp64 autograd of the kernels' output and six gradients (five without causal keys),
+    and (bf16) those of the naive bf16 computation on the same inputs."""
     torch.manual_seed(0)
-    xs = inputs(B, H, L, D, dtype, device="cuda")
+    xs = ablated(inputs(B, H, L, D, dtype, device="cuda"), causal_keys)
     go = torch.randn(B, H, L, D, device="cuda").to(dtype)
-    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
-    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg), xs, go)
-    errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(g, gref)]
-    naive = [0.0] * 7
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, silu=silu, impl="torch"), _double(xs), go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg, silu=silu), xs, go)
+    errs = [rel(out, ref)] + _errs(g, gref)
+    naive = [0.0] * len(errs)
     if dtype == torch.bfloat16:
-        nout, ng = _fwd_bwd(lambda *a: _naive_bf16(*a, window), xs, go)
-        naive = [rel(nout, ref)] + [rel(a, b) for a, b in zip(ng, gref)]
-    print(f"\nB={B} H={H} L={L} D={D} W={window} {dtype}: out {errs[0]:.2e}  grads "
+        nout, ng = _fwd_bwd(lambda *a: _naive_bf16(*a, window, silu), xs, go)
+        naive = [rel(nout, ref)] + _errs(ng, gref)
+    print(f"\nB={B} H={H} L={L} D={D} W={window} {dtype} causal_keys={causal_keys} silu={silu}: out {errs[0]:.2e}  grads "
           + " ".join(f"{e:.2e}" for e in errs[1:]) + "  | naive bf16: " + " ".join(f"{e:.2e}" for e in naive))
     return errs, naive
 
@@ -932,14 +933,41 @@ def test_gpu_decode_kernel_matches_torch_ops(window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", [(True, True), *ABLATIONS])
 @pytest.mark.parametrize("window", [None, 100])
-def test_gpu_prefill_decode(window):
-    xs = inputs(1, 2, 300, 64, torch.bfloat16, device="cuda")
-    out, cache = castle_prefill(*[x[..., :290, :] for x in xs], window=window)
-    ref64 = [x.double() for x in xs]
+def test_gpu_prefill_decode(window, causal_keys, silu):
+    """The Triton prefill (which hands its U on to the cache) and the fused decode steps, for CASTLE and
+    the ablations."""
+    xs = ablated(inputs(1, 2, 300, 64, torch.bfloat16, device="cuda"), causal_keys)
+    out, cache = castle_prefill(*[x if x is None else x[..., :290, :] for x in xs], window=window, silu=silu)
+    ref64 = _double(xs)
     assert rel(cache.u, lookahead_keys(*[x.cpu() for x in ref64[3:]], 290, window).cuda()) < 1e-2
     outs = [out]
     for t in range(290, 300):
-        o, cache = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        o, cache = castle_decode(cache, *[x if x is None else x[..., t:t + 1, :] for x in xs])
         outs.append(o)
-    assert rel(torch.cat(outs, -2), castle_attn(*ref64, window=window, impl="torch")) < 1e-2
+    assert rel(torch.cat(outs, -2), castle_attn(*ref64, window=window, silu=silu, impl="torch")) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("L,D,window", [(2048, 64, None), (1537, 128, 512), (999, 64, 100), (17, 64, 1)])
+def test_gpu_ablation_triton_bf16(L, D, window, causal_keys, silu):
+    """The ablations' kernels (the default "stored" backward and GPU tiles) at real shapes in bf16."""
+    _assert_bf16(*_gpu_case(1, 4, L, D, window, causal_keys=causal_keys, silu=silu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+def test_gpu_ablation_decode_kernel_matches_torch_ops(causal_keys, silu):
+    """The fused decode step of the ablations against the PyTorch-op step on the same caches (bf16, 3000
+    cached positions, SWL W = 700)."""
+    xs = ablated(inputs(2, 9, 3010, 64, torch.bfloat16, device="cuda"), causal_keys)
+    caches = [castle_prefill(*[x if x is None else x[..., :3000, :] for x in xs], window=700, silu=silu)[1]
+              for _ in range(2)]
+    for t in range(3000, 3010):
+        one = [x if x is None else x[..., t:t + 1, :] for x in xs]
+        o_kernel, _ = castle_decode(caches[0], *one, impl="triton")
+        o_torch, _ = castle_decode(caches[1], *one, impl="torch")
+        assert rel(o_kernel, o_torch) < 1e-2
+    assert rel(caches[0].u, caches[1].u) < 1e-3
