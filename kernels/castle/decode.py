@@ -346,10 +346,11 @@ if triton is not None:
                 u = tl.where(owner, u + w[:, None] * vu_t[None, :], u)
                 tl.store(U + ptr, u, mask=owner)
             new = (j == t)[:, None]
+            if CAUSAL_KEYS:
+                kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
             vc = tl.where(new, vc_t[None, :], tl.load(VCB + ptr, mask=cached, other=0.0).to(tl.float32))
             s_u = tl.sum(qc[None, :] * u, 1)                                                # eq (6)
             if CAUSAL_KEYS:
-                kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
                 sc = tl.sum(qc[None, :] * kc, 1)                                            # eq (5)
             else:
                 sc = tl.zeros([BT], dtype=tl.float32)

@@ -504,13 +504,14 @@ if triton is not None:
                     # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
                     if SILU:
                         silu, sg = _silu_and_sigmoid(s, scale, DT)
-                        dsilu = sg + silu * (1.0 - sg)
                     else:
                         silu = s * scale                        # the logit takes -S^U, whose derivative is 1
                     if CAUSAL_KEYS:
                         sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - silu
                     else:
                         sc = -silu
+                    if SILU:
+                        dsilu = sg + silu * (1.0 - sg)
                     sc = _causal(sc, a, c, BM, BN, ASM)
                     p = tl.exp2(sc * LOG2E - lse_a[:, None])                               # eq (25)
                     if CAUSAL_GRADS:
