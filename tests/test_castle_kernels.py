@@ -757,7 +757,8 @@ ABLATION_TRITON_CASES = [
 
 @pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
 @pytest.mark.parametrize("variant", BWD_VARIANTS)
-@pytest.mark.parametrize("L,D,window,cfg,dtype", [c if i == 0 else slow(*c) for i, c in enumerate(ABLATION_TRITON_CASES)])
+@pytest.mark.parametrize("L,D,window,cfg,dtype",
+                         [c if i == 0 else slow(*c) for i, c in enumerate(ABLATION_TRITON_CASES)])
 def test_ablation_triton_matches_reference(L, D, window, cfg, dtype, variant, causal_keys, silu):
     """Invariants 5 and 6 for the kernels with the ablations (constexprs CAUSAL_KEYS, SILU): forward and
     every gradient vs fp64 autograd, for every backward variant; without causal keys there is no dKc."""
@@ -867,7 +868,8 @@ def _gpu_case(B, H, L, D, window, dtype=torch.bfloat16, cfg=None, causal_keys=Tr
     if dtype == torch.bfloat16:
         nout, ng = _fwd_bwd(lambda *a: _naive_bf16(*a, window, silu), xs, go)
         naive = [rel(nout, ref)] + _errs(ng, gref)
-    print(f"\nB={B} H={H} L={L} D={D} W={window} {dtype} causal_keys={causal_keys} silu={silu}: out {errs[0]:.2e}  grads "
+    print(f"\nB={B} H={H} L={L} D={D} W={window} {dtype} causal_keys={causal_keys} silu={silu}: "
+          f"out {errs[0]:.2e}  grads "
           + " ".join(f"{e:.2e}" for e in errs[1:]) + "  | naive bf16: " + " ".join(f"{e:.2e}" for e in naive))
     return errs, naive
 

@@ -434,7 +434,8 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     if not all(b is None or b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
         raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
                          "CastleCache make them); use impl='torch' for others")
-    kc = qc if kc is None else kc           # a pointer the kernel never reads without causal keys
+    # without causal keys the kernel reads no K^C: any pointer stands in for kc and its buffer
+    kc, kc_buf = (qc, cache.vc_buf) if kc is None else (kc, cache.kc_buf)
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
     B, H, _, D = qc.shape
     block_d = padded_head_dim(D)
@@ -443,7 +444,7 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     rows, per_split, splits = _decode_tiles(t + 1, B * H, block_d, qc.device)
     part = torch.empty(B * H, splits, block_d + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
-        cache.u_buf, cache.qu_buf, cache.vc_buf if cache.kc_buf is None else cache.kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
+        cache.u_buf, cache.qu_buf, kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
         H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
         -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
         CAUSAL_KEYS=cache.causal_keys, SILU=cache.silu, num_warps=2,
