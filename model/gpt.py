@@ -56,6 +56,8 @@ class GPTConfig:
     castle_window: int | None = None    # W of CASTLE-SWL (attention=castle_swl)
     castle_rope: str = "qk"             # RoPE on "causal" q^C,k^C | "qk" + q^U,k^U | "qkv" + v^U (paper: unstated)
     castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
+    castle_causal_keys: bool = True     # False: no W^C_K, logits -SiLU(s^U) alone (ablation, §5.2.1 Table 5)
+    castle_silu: bool = True            # False: logits s^C - s^U, no SiLU gate (ablation, §5.2.3 Table 10)
     # Forgetting Transformer and the Pro block (arXiv:2503.02130 §3, App. A)
     fgate: str = "data_dependent"       # forget gate f_t^(h): "data_dependent" sigmoid(w_f.x_t + b_f) (§3) |
                                         # "bias_only" sigmoid(b^(h)), learned | "fixed" sigmoid(b^(h)), frozen (§4.5)
@@ -87,11 +89,20 @@ class GPTConfig:
             raise ValueError("attention=castle_swl needs model.castle_window >= 1 (paper: 128 for S, 512 else)")
         if self.castle_rope not in ("causal", "qk", "qkv"):
             raise ValueError(f"model.castle_rope={self.castle_rope!r}; choose causal, qk or qkv")
+        self._check_castle_ablations()
         self._check_forget_gate()
         self._check_attention_window()
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
                              f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
+
+    def _check_castle_ablations(self):
+        if self.attention not in ("castle", "castle_swl"):
+            changed = [f"model.{name}=false" for name in ("castle_causal_keys", "castle_silu")
+                       if not getattr(self, name)]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} only applies to attention=castle or castle_swl "
+                                 f"(model=castle or model=castle_swl), not attention={self.attention}")
 
     def _check_forget_gate(self):
         if self.attention != "fox":
@@ -585,36 +596,43 @@ WINDOWED_ATTENTIONS = ("baseline", "fox")   # those that take model.attention_wi
 
 class CastleAttention(nn.Module):
     """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (arXiv:2509.07301). Six projections per
-    head and W_O: 7 n_head d d_model parameters."""
+    head (q^C, k^C, v^C, q^U, k^U, v^U, in that order in `proj`) and W_O: 7 n_head d d_model parameters.
+    Without causal keys (castle_causal_keys=false) no k^C: 6 n_head d d_model."""
 
     def __init__(self, config, window):
         super().__init__()
         self.n_head, self.head_dim, self.window = config.n_head, config.head_dim, window
+        self.causal_keys, self.silu = config.castle_causal_keys, config.castle_silu
+        self.n_proj = 6 if self.causal_keys else 5
         inner = config.n_head * config.head_dim
-        self.proj = nn.Linear(config.n_embd, 6 * inner, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, self.n_proj * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
         self.out.residual_proj = True
         self.rope_mode = config.castle_rope
 
     def forward(self, x, rope, cache=None):
-        qc, kc, vc, qu, ku, vu = (split_heads(t, self.n_head) for t in self.proj(x).chunk(6, dim=-1))
-        qc, kc = apply_rope(qc, rope), apply_rope(kc, rope)
+        parts = [split_heads(t, self.n_head) for t in self.proj(x).chunk(self.n_proj, dim=-1)]
+        if not self.causal_keys:
+            parts.insert(1, None)
+        qc, kc, vc, qu, ku, vu = parts
+        qc, kc = apply_rope(qc, rope), kc if kc is None else apply_rope(kc, rope)
         if self.rope_mode in ("qk", "qkv"):
             qu, ku = apply_rope(qu, rope), apply_rope(ku, rope)
         if self.rope_mode == "qkv":
             vu = apply_rope(vu, rope)
         if cache is None:
-            y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window)
+            y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window, silu=self.silu)
         elif cache.length == 0 and cache.group is None:   # a prompt: one pass (a sharded cache steps through it)
             y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)
         else:                                # one position at a time through the UQ-KV cache
-            y = torch.cat([castle_decode(cache, *(z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)))[0]
+            xs = (qc, kc, vc, qu, ku, vu)
+            y = torch.cat([castle_decode(cache, *(z if z is None else z[:, :, t:t + 1] for z in xs))[0]
                            for t in range(x.size(1))], dim=2)
         return self.out(merge_heads(y))
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         return CastleCache(batch_size, self.n_head, self.head_dim, max_len=max_len, dtype=dtype, device=device,
-                           window=self.window, group=group)
+                           window=self.window, group=group, causal_keys=self.causal_keys, silu=self.silu)
 
     def flops_per_token(self, seq_len):
         # The block algorithm (arXiv:2509.07301 App. 8) takes 8 block matmuls per (query, key) tile pair inside
