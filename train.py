@@ -22,7 +22,6 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -40,8 +39,8 @@ from evaluation.plots import plot_runs
 from evaluation.samples import stream_text
 from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
 from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkpoints, atomic_write,
-                              check_dcp_shapes, checkpoint_files, checkpoint_step, config_dict, disk_bytes,
-                              is_checkpoint, load_checkpoint, locked_run_dir, model_from_checkpoint, remove_stale_temp_files, save_checkpoint,
+                              checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
+                              load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint, remove_stale_temp_files, save_checkpoint,
                               saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
@@ -225,8 +224,7 @@ def load_dcp_training_state(raw_model, optimizer, path):
     """Model and optimizer state of a DCP checkpoint directory, each rank reading the parts of its
     shards; DCP reshards, so the run may have another world size or parallelism than the writer."""
     state = sharded_training_state(raw_model, optimizer)
-    check_dcp_shapes(path, {f"model.{k}": v.shape for k, v in state["model"].items()})
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    load_dcp_state(path, state)
     set_model_state_dict(raw_model, state["model"])
     set_optimizer_state_dict(raw_model, optimizer, state["optimizer"])
 

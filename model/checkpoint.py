@@ -46,6 +46,7 @@ import shutil
 import socket
 import sys
 import time
+import warnings
 from dataclasses import asdict
 
 import torch
@@ -245,6 +246,24 @@ def model_shapes(model_config):
     return {f"model.{k}": v.shape for k, v in model.state_dict().items()}
 
 
+def load_dcp_state(path, state):
+    """Fill `state` ({"model", "optimizer"}: this rank's state dicts, sharded or not) from a DCP
+    directory, each rank reading the parts of the shards it holds, whatever world size wrote them;
+    under a process group every rank calls it."""
+    check_dcp_shapes(path, {f"model.{k}": v.shape for k, v in state["model"].items()})
+    with one_process_quietly() as one_process:
+        dcp.load(state, checkpoint_id=path, no_dist=one_process)
+
+
+@contextlib.contextmanager
+def one_process_quietly():
+    """-> whether this process saves or loads alone (no process group), without DCP's warning
+    that it assumes so."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield not torch.distributed.is_initialized()
+
+
 def read_dcp_state(path, meta):
     """{"model": full state dict, "optimizer": full optimizer state dict} of a DCP directory, read
     in this process alone whatever world size wrote it (the shards are stitched together)."""
@@ -415,12 +434,13 @@ class DcpSave:
         """state: {"model": ..., "optimizer": ...}, this rank's (sharded) state dicts. asynchronous:
         return once they are copied to the CPU, `group` (a process group nothing else uses, or None
         for one process) carrying the save's collectives from the writing thread."""
-        one_process = not torch.distributed.is_initialized()
         try:
-            if asynchronous:
-                self.future = dcp.async_save(state, checkpoint_id=self.tmp, process_group=group, no_dist=one_process)
-            else:
-                dcp.save(state, checkpoint_id=self.tmp, no_dist=one_process)
+            with one_process_quietly() as one_process:
+                if asynchronous:
+                    self.future = dcp.async_save(state, checkpoint_id=self.tmp, process_group=group,
+                                                 no_dist=one_process)
+                else:
+                    dcp.save(state, checkpoint_id=self.tmp, no_dist=one_process)
         except BaseException as e:
             raise self.failed(e) from e
 
