@@ -40,8 +40,8 @@ from evaluation.samples import stream_text
 from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
 from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkpoints, atomic_write,
                               checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
-                              load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint, remove_stale_temp_files, save_checkpoint,
-                              saved_model_config)
+                              load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
+                              remove_stale_temp_files, save_checkpoint, saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
                            entry_point, integer, number, one_of, optional, pair, text)
@@ -249,12 +249,17 @@ def same_path(a, b):
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def parent_dir(path):
+    """The directory holding a checkpoint file or DCP directory (`runs/x/ckpt_4.dcp/` -> runs/x)."""
+    return os.path.dirname(os.path.normpath(path)) or "."
+
+
 def resume_checkpoint(cfg):
     """(file, checkpoint) to resume from, or (None, None) for a fresh run; refuses a fresh run in a
     directory that holds checkpoints unless train.if_exists=archive."""
     out_dir, resume = cfg.train.out_dir, cfg.train.resume
     in_out_dir = resume == "auto" or same_path(resume, out_dir) or (
-        is_checkpoint(resume) and same_path(os.path.dirname(os.path.normpath(resume)) or ".", out_dir))
+        is_checkpoint(resume) and same_path(parent_dir(resume), out_dir))
     if in_out_dir:
         if resume == "auto" and not checkpoint_files(out_dir):
             return None, None
@@ -434,8 +439,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         step, wandb_id = ckpt["step"], ckpt.get("wandb_id")
         del ckpt
     # the checkpoint already in out_dir for this step, if the run resumes from one there
-    last_ckpt = (resume_file if resume_file and same_path(os.path.dirname(os.path.normpath(resume_file)) or ".", out_dir)
-                 else None)
+    last_ckpt = resume_file if resume_file and same_path(parent_dir(resume_file), out_dir) else None
 
     if dist_info.master:
         prepare_run_dir(cfg, out_dir, step, resumed_here=last_ckpt is not None)
@@ -500,10 +504,12 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
 
     def log_checkpoint(path, seconds, written_seconds=None):
         """Rank 0: the checkpoint is in place; ckpt_seconds: training stopped for it (an asynchronous
-        save: the copy to the CPU), ckpt_write_seconds: until it was in place (asynchronous saves)."""
+        save: the copy to the CPU), ckpt_write_seconds: until it was in place (asynchronous saves,
+        logged at the step they finish, which may be after ckpt_step)."""
         nonlocal last_ckpt
         last_ckpt = path
-        record = {"step": checkpoint_step(path), "ckpt_seconds": seconds, "ckpt_bytes": disk_bytes(path)}
+        record = {"step": step, "ckpt_step": checkpoint_step(path), "ckpt_seconds": seconds,
+                  "ckpt_bytes": disk_bytes(path)}
         if cfg.train.ckpt_async:
             record["ckpt_write_seconds"] = written_seconds
         metrics.log(record)

@@ -229,14 +229,14 @@ def check_dcp_shapes(path, shapes):
     """Raise UnreadableCheckpoint naming the first tensor of `shapes` ({"model.<name>": shape}, the
     model that is to load it) that the DCP directory lacks or holds with another shape."""
     saved = read_dcp_metadata(path).state_dict_metadata
+    file = os.path.join(path, ".metadata")
+    fix = "it was written by another model; use a checkpoint of this model or another train.out_dir"
     for key, shape in shapes.items():
         if key not in saved or not hasattr(saved[key], "size"):
-            raise UnreadableCheckpoint(f"{os.path.join(path, '.metadata')} has no tensor {key}: it was written by "
-                                       "another model; use a checkpoint of this model or another train.out_dir")
+            raise UnreadableCheckpoint(f"{file} has no tensor {key}: {fix}")
         if tuple(saved[key].size) != tuple(shape):
-            raise UnreadableCheckpoint(f"{os.path.join(path, '.metadata')} holds {key} of shape {tuple(saved[key].size)}, "
-                                       f"but the model has {tuple(shape)}: it was written by another model; use "
-                                       "a checkpoint of this model or another train.out_dir")
+            raise UnreadableCheckpoint(f"{file} holds {key} of shape {tuple(saved[key].size)}, but the model has "
+                                       f"{tuple(shape)}: {fix}")
 
 
 def model_shapes(model_config):

@@ -10,10 +10,13 @@ different reduction orders (relative 1e-5), not bit for bit."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
-from test_train import TINY, run, train_losses
+from test_faults import file_size_limit
+from test_train import ROOT, TINY, run, train_losses
 
 from model.checkpoint import (DCP_META, CHECKPOINT_FORMAT, DcpSave, UnreadableCheckpoint, archive_newer_checkpoints,
                               checkpoint_files, config_dict, is_readable, load_checkpoint, load_model,
@@ -83,10 +86,10 @@ def test_resume_across_world_sizes_and_formats_matches_the_uninterrupted_run(cha
 def test_checkpoint_time_and_size_are_logged(chain):
     with open(chain["two"] / "metrics.jsonl") as f:
         records = [r for r in map(json.loads, f) if "ckpt_seconds" in r]
-    assert [r["step"] for r in records] == [4, 6]
+    assert [r["ckpt_step"] for r in records] == [4, 6] and records[-1]["step"] == 6
     for r in records:           # asynchronous: training waited only for the copy, the write took longer
         assert 0 < r["ckpt_seconds"] <= r["ckpt_write_seconds"]
-        size = sum(f.stat().st_size for f in (chain["two"] / f"ckpt_{r['step']}.dcp").iterdir())
+        size = sum(f.stat().st_size for f in (chain["two"] / f"ckpt_{r['ckpt_step']}.dcp").iterdir())
         assert r["ckpt_bytes"] == size
 
 
@@ -116,6 +119,29 @@ def test_a_dcp_checkpoint_loads_and_converts_like_the_full_file(chain, tmp_path)
         convert(str(chain["back"]), str(out))
     proc = run("sample.py", [f"ckpt={chain['two']}", "prompt=The", "max_new_tokens=4"])
     assert "The" in proc.stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_dcp_write_past_the_file_size_limit_fails_cleanly(chain, tmp_path):
+    """The shard write fails part-way (EFBIG, as ENOSPC would): one line naming the checkpoint, the
+    temp directory removed, the earlier checkpoints untouched."""
+    out = tmp_path / "run"
+    copy_up_to(chain["two"], out, 4)
+    before = {name: sorted(os.listdir(out / name)) for name in ("ckpt_2.dcp", "ckpt_4.dcp")}
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    args = [a for a in ARGS if not a.startswith("WANDB_MODE")]
+    proc = subprocess.run([sys.executable, "train.py", *args, f"train.out_dir={out}", "train.ckpt_format=dcp",
+                           "train.ckpt_interval=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          preexec_fn=file_size_limit(8 << 20), timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in proc.stderr and last.startswith(f"train.py: error: could not write {out / 'ckpt_6.dcp'}: "
+                                                              "File too large"), proc.stderr[-3000:]
+    assert sorted(n for n in os.listdir(out) if n.startswith("ckpt")) == ["ckpt_2.dcp", "ckpt_4.dcp"]
+    assert {name: sorted(os.listdir(out / name)) for name in before} == before
+    assert all(is_readable(str(out / name)) for name in before)
 
 
 # ----------------------------------------------------------------------------- the checkpoint module
