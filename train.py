@@ -263,14 +263,14 @@ def resume_checkpoint(cfg):
     if in_out_dir:
         if resume == "auto" and not checkpoint_files(out_dir):
             return None, None
-        return load_checkpoint(out_dir if resume == "auto" else resume, dcp_tensors=False)
+        return load_checkpoint(out_dir if resume == "auto" else resume, dcp_parts=())
     existing = checkpoint_files(out_dir)
     if existing and cfg.train.if_exists != "archive":
         names = ", ".join(os.path.basename(f) for f in existing)
         raise ValueError(f"train.out_dir={out_dir} holds checkpoints of an earlier run ({names}) and "
                          f"train.resume={resume} starts a new one there; continue it with train.resume=auto, "
                          "use another train.out_dir, or move its files into archive/ with train.if_exists=archive")
-    return (None, None) if resume == "never" else load_checkpoint(resume, dcp_tensors=False)
+    return (None, None) if resume == "never" else load_checkpoint(resume, dcp_parts=())
 
 
 def override_keys(overrides):

@@ -70,7 +70,8 @@ ARCHIVE_DIR = "archive"
 
 
 class UnreadableCheckpoint(ValueError):
-    """A file that torch.load cannot read, or that train.py did not write."""
+    """A file that torch.load cannot read, or that train.py did not write; a DCP directory with a
+    file missing or cut short, or whose tensors are another model's."""
 
 
 class RunDirectoryLocked(ValueError):
@@ -124,30 +125,29 @@ def remove_checkpoint(path):
         os.remove(path)
 
 
-def read_checkpoint(path, mmap=False, dcp_tensors=True):
+def read_checkpoint(path, mmap=False, dcp_parts=DCP_STATE):
     """The checkpoint dict in `path` (tensors on the CPU; mmap: mapped, not read, which makes a cheap
-    readability check). A DCP directory: with dcp_tensors=False the dict lacks "model" and
-    "optimizer" and ckpt["dcp"] names the directory (train.py reads them sharded, dcp_load); else
-    they are read in full. Raises UnreadableCheckpoint saying why it is not one."""
+    readability check). A DCP directory: the sharded parts named in dcp_parts ("model",
+    "optimizer") are read in full; with none, ckpt["dcp"] names the directory instead (train.py
+    reads them sharded: load_dcp_state). Raises UnreadableCheckpoint saying why it is not one."""
     if is_dcp(path):
         ckpt = read_dcp_meta(path)
-        if dcp_tensors and not mmap:
+        if dcp_parts and not mmap:
             del ckpt["dcp"]
-            ckpt.update(read_dcp_state(path, ckpt))
+            ckpt.update(read_dcp_state(path, ckpt, dcp_parts))
         return ckpt
     return read_torch_file(path, mmap)
 
 
-def read_torch_file(path, mmap=False, shown=None):
-    """A dict that train.py wrote with torch.save (`shown`: the name its errors give, default path)."""
-    shown = shown or path
+def read_torch_file(path, mmap=False):
+    """A dict that train.py wrote with torch.save."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     except Exception as e:
         reason = " ".join(str(e).split()).split(". ")[0]      # torch's first sentence says what broke
-        raise UnreadableCheckpoint(f"{shown} is not a readable checkpoint ({reason})") from e
+        raise UnreadableCheckpoint(f"{path} is not a readable checkpoint ({reason})") from e
     if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise UnreadableCheckpoint(f"{shown} was not written by this repo's train.py (expected format "
+        raise UnreadableCheckpoint(f"{path} was not written by this repo's train.py (expected format "
                                    f"{CHECKPOINT_FORMAT!r}); convert it or pass a checkpoint from train.py")
     return ckpt
 
@@ -160,9 +160,9 @@ def is_readable(path):
     return True
 
 
-def load_checkpoint(path, dcp_tensors=True):
+def load_checkpoint(path, dcp_parts=DCP_STATE):
     """(checkpoint, its dict): a checkpoint (file or DCP directory), or a run directory's newest
-    readable checkpoint (warning about each newer one skipped). dcp_tensors: see read_checkpoint."""
+    readable checkpoint (warning about each newer one skipped). dcp_parts: see read_checkpoint."""
     if os.path.isdir(path) and not is_dcp(path):
         files = checkpoint_files(path)
         if not files:
@@ -170,14 +170,14 @@ def load_checkpoint(path, dcp_tensors=True):
                                     f"train first with `python train.py train.out_dir={path}`")
         for file in reversed(files):
             try:
-                return file, read_checkpoint(file, dcp_tensors=dcp_tensors)
+                return file, read_checkpoint(file, dcp_parts=dcp_parts)
             except UnreadableCheckpoint as e:
                 warn(f"skipping {e}")
         raise UnreadableCheckpoint(f"no checkpoint in {path} is readable ({', '.join(map(os.path.basename, files))}); "
                                    "move them away and train again, or pass a checkpoint from elsewhere")
     if os.path.exists(path):
         try:
-            return path, read_checkpoint(path, dcp_tensors=dcp_tensors)
+            return path, read_checkpoint(path, dcp_parts=dcp_parts)
         except UnreadableCheckpoint as e:
             parent = os.path.dirname(os.path.normpath(path)) or "."
             others = [f for f in checkpoint_files(parent) if not os.path.samefile(f, path)]
@@ -264,17 +264,17 @@ def one_process_quietly():
         yield not torch.distributed.is_initialized()
 
 
-def read_dcp_state(path, meta):
-    """{"model": full state dict, "optimizer": full optimizer state dict} of a DCP directory, read
-    in this process alone whatever world size wrote it (the shards are stitched together)."""
+def read_dcp_state(path, meta, parts=DCP_STATE):
+    """{part: its full state dict} of a DCP directory for parts "model" and "optimizer", read in this
+    process alone whatever world size wrote it (the shards are stitched together)."""
     check_dcp_shapes(path, model_shapes(saved_model_config(meta)))
     state = {}
     try:      # as torch's dcp_to_torch_save: the empty-state-dict planner rebuilds the saved structure in `state`
-        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
+        _load_state_dict(state, storage_reader=dcp.FileSystemReader(path),
+                         planner=_EmptyStateDictLoadPlanner(keys=set(parts)), no_dist=True)
     except (Exception, CheckpointException) as e:
         raise UnreadableCheckpoint(f"{path} is not a readable checkpoint ({' '.join(str(e).split())[:300]})") from e
-    return {key: state.get(key) for key in DCP_STATE}
+    return {part: state.get(part) for part in parts}
 
 
 # ----------------------------------------------------------------------------- model <-> checkpoint
@@ -305,12 +305,12 @@ def model_from_checkpoint(ckpt, device="cpu"):
 
 
 def load_model(path, device="auto", dtype="auto"):
-    """Run directory or checkpoint file -> (uncompiled eval-mode model, its training config dict,
-    device, checkpoint file). device auto: CUDA when present; dtype auto: bf16 weights on CUDA,
-    fp32 elsewhere."""
+    """Run directory or checkpoint (file or DCP directory) -> (uncompiled eval-mode model, its
+    training config dict, device, checkpoint). device auto: CUDA when present; dtype auto: bf16
+    weights on CUDA, fp32 elsewhere."""
     device = choose_device(device) if isinstance(device, str) else device
     dtype = choose_dtype(dtype, device)
-    file, ckpt = load_checkpoint(path)
+    file, ckpt = load_checkpoint(path, dcp_parts=("model",))
     model = model_from_checkpoint(ckpt).to(device, dtype=dtype)
     return model.eval(), ckpt["config"], device, file
 

@@ -169,8 +169,10 @@ def test_a_dcp_directory_loads_in_full_in_one_process(tmp_path):
     assert file == path and ckpt["format"] == CHECKPOINT_FORMAT and ckpt["step"] == 3 and "dcp" not in ckpt
     for name, tensor in model.state_dict().items():
         assert torch.equal(ckpt["model"][name], tensor)
-    _, meta = load_checkpoint(path, dcp_tensors=False)
+    _, meta = load_checkpoint(path, dcp_parts=())
     assert meta["dcp"] == path and "model" not in meta
+    _, weights = load_checkpoint(path, dcp_parts=("model",))           # what sample.py and eval.py read
+    assert "optimizer" not in weights and torch.equal(weights["model"]["wte.weight"], model.wte.weight)
 
 
 def test_rotation_and_discovery_treat_dcp_directories_like_files(tmp_path, capsys):
