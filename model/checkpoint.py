@@ -176,10 +176,11 @@ def load_checkpoint(path, dcp_parts=DCP_STATE):
         raise UnreadableCheckpoint(f"no checkpoint in {path} is readable ({', '.join(map(os.path.basename, files))}); "
                                    "move them away and train again, or pass a checkpoint from elsewhere")
     if os.path.exists(path):
+        path = os.path.normpath(path)           # `ckpt_4.dcp/` too is a checkpoint in its run directory
         try:
             return path, read_checkpoint(path, dcp_parts=dcp_parts)
         except UnreadableCheckpoint as e:
-            parent = os.path.dirname(os.path.normpath(path)) or "."
+            parent = os.path.dirname(path) or "."
             others = [f for f in checkpoint_files(parent) if not os.path.samefile(f, path)]
             good = next((f for f in reversed(others) if is_readable(f)), None)
             hint = (f"the newest readable checkpoint beside it is {good}" if good
@@ -239,11 +240,19 @@ def check_dcp_shapes(path, shapes):
                                        f"{tuple(shape)}: {fix}")
 
 
-def model_shapes(model_config):
-    """{"model.<name>": shape} of the GPT of a config (built on the meta device: no memory)."""
+def meta_model(model_config):
+    """The GPT of a config on the meta device (shapes and names, no memory)."""
     with torch.device("meta"):
-        model = GPT(GPTConfig.from_dict(model_config))
-    return {f"model.{k}": v.shape for k, v in model.state_dict().items()}
+        return GPT(GPTConfig.from_dict(model_config))
+
+
+def tie_shared(model, state_dict):
+    """Make the entries of parameters the model shares (tied embeddings) one tensor again: DCP
+    stores each name separately, torch.save stores a shared tensor once."""
+    first = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if name in state_dict:
+            state_dict[name] = state_dict[first.setdefault(id(param), name)]
 
 
 def load_dcp_state(path, state):
@@ -267,13 +276,16 @@ def one_process_quietly():
 def read_dcp_state(path, meta, parts=DCP_STATE):
     """{part: its full state dict} of a DCP directory for parts "model" and "optimizer", read in this
     process alone whatever world size wrote it (the shards are stitched together)."""
-    check_dcp_shapes(path, model_shapes(saved_model_config(meta)))
+    model = meta_model(saved_model_config(meta))
+    check_dcp_shapes(path, {f"model.{k}": v.shape for k, v in model.state_dict().items()})
     state = {}
     try:      # as torch's dcp_to_torch_save: the empty-state-dict planner rebuilds the saved structure in `state`
         _load_state_dict(state, storage_reader=dcp.FileSystemReader(path),
                          planner=_EmptyStateDictLoadPlanner(keys=set(parts)), no_dist=True)
     except (Exception, CheckpointException) as e:
         raise UnreadableCheckpoint(f"{path} is not a readable checkpoint ({' '.join(str(e).split())[:300]})") from e
+    if state.get("model") is not None:
+        tie_shared(model, state["model"])
     return {part: state.get(part) for part in parts}
 
 

@@ -103,7 +103,7 @@ def plain(groups):
 def test_a_dcp_checkpoint_loads_and_converts_like_the_full_file(chain, tmp_path):
     """ckpt_6.dcp and ckpt_6.pt, written by one process each from the same state of step 5, load and
     convert to equal weights, optimizer and loader state; sample.py reads the 2-rank FSDP run's."""
-    _, full = load_checkpoint(str(chain["one"] / "ckpt_6.pt"))
+    full_file, full = load_checkpoint(str(chain["one"] / "ckpt_6.pt"))
     model, _, _, file = load_model(str(chain["back"]), device="cpu")           # newest: ckpt_6.dcp
     assert file == str(chain["back"] / "ckpt_6.dcp")
     for name, tensor in model.state_dict().items():
@@ -112,6 +112,8 @@ def test_a_dcp_checkpoint_loads_and_converts_like_the_full_file(chain, tmp_path)
     assert convert(str(chain["back"] / "ckpt_6.dcp"), str(out)) == str(chain["back"] / "ckpt_6.dcp")
     converted = torch.load(out, weights_only=False)
     assert sorted(converted) == sorted(full)
+    tied = converted["model"]["lm_head.weight"], converted["model"]["wte.weight"]   # stored once, as in full
+    assert tied[0].data_ptr() == tied[1].data_ptr() and os.path.getsize(out) < 1.01 * os.path.getsize(full_file)
     assert converted["loader"] == full["loader"] and converted["step"] == 6
     assert plain(converted["optimizer"]["param_groups"]) == plain(full["optimizer"]["param_groups"])
     torch.testing.assert_close(converted["optimizer"]["state"], full["optimizer"]["state"], rtol=0, atol=0)
