@@ -454,7 +454,7 @@ class DcpSave:
                 else:
                     dcp.save(state, checkpoint_id=self.tmp, no_dist=one_process)
         except BaseException as e:
-            raise self.failed(e) from e
+            self.failed(e)
 
     def done(self):
         return self.future is None or self.future.done()
@@ -471,21 +471,21 @@ class DcpSave:
                 os.replace(self.tmp, self.path)
                 fsync_directory(self.run_dir)
         except BaseException as e:
-            raise self.failed(e) from e
+            self.failed(e)
         if self.master:
             rotate(self.run_dir, checkpoint_step(self.path), self.keep_last)
         return self.path
 
     def failed(self, error):
-        """The error to raise for a failed write (a full disk: DiskFullError) after rank 0 removed
-        the temp directory."""
+        """A write failed: rank 0 removes the temp directory; raise `error`, or DiskFullError for a
+        full disk."""
         if self.master:
             shutil.rmtree(self.tmp, ignore_errors=True)
         causes = [error, *(exc for exc, _ in getattr(error, "failures", {}).values())]  # DCP's: per rank
         cause = next((c for c in map(disk_full_cause, causes) if c is not None), None)
         if cause is None:
-            return error
-        return disk_full(self.path, None, shutil.disk_usage(self.run_dir).free, cause.strerror)
+            raise error
+        raise disk_full(self.path, None, shutil.disk_usage(self.run_dir).free, cause.strerror) from error
 
 
 def rotate(run_dir, step, keep_last):
