@@ -205,6 +205,19 @@ def test_gpt_fused_matches_unfused_fp32(fused, tie):
         {k: rel(grads[k], ref_grads[k]) for k in grads}
 
 
+def test_gpt_fused_matches_unfused_bf16_autocast():
+    """Under autocast the fused norms write bf16 (what the next Linear would round to); the loss and gradients
+    stay within bf16 rounding of the unfused model's."""
+    reference_config = tiny_config()
+    state = GPT(reference_config).state_dict()
+    idx, targets = torch.randint(0, 90, (2, 9)), targets_with_ignored(18, 101, used_vocab=90).view(2, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss, ref_grads = model_loss_and_grads(reference_config, state, idx, targets)
+        loss, grads = model_loss_and_grads(tiny_config(**ALL_FUSED), state, idx, targets)
+    assert abs(loss - ref_loss) <= 1e-3 * ref_loss
+    assert all(rel(grads[k], ref_grads[k]) < 2e-2 for k in grads), {k: rel(grads[k], ref_grads[k]) for k in grads}
+
+
 def test_gpt_fused_loss_returns_no_logits_and_generation_is_unchanged():
     config = tiny_config(**ALL_FUSED)
     model = GPT(config)
@@ -311,3 +324,15 @@ def test_fused_training_follows_the_unfused_loss_curve_gpu():
     assert unfused[-5:].mean() < unfused[:5].mean() - 2            # it learns
     gap = (fused - unfused).abs()
     assert gap.max() < 0.1 and gap.mean() < 0.03, (unfused.tolist(), fused.tolist())
+
+
+# ----------------------------------------------------------------------------- scripts/bench_train.py --fused
+
+def test_bench_fused_specs_become_model_overrides():
+    from scripts.bench_train import fused_overrides
+    assert fused_overrides("none") == []
+    assert fused_overrides("all") == ["model.fused_loss=chunked", "model.fused_norm=true", "model.fused_swiglu=triton"]
+    assert fused_overrides("loss=liger,swiglu=packed") == ["model.fused_loss=liger", "model.fused_swiglu=packed"]
+    for bad in ("fast", "loss", "norm=yes", "loss=chunked,swiglu=fast"):
+        with pytest.raises(ValueError, match="--fused"):
+            fused_overrides(bad)
