@@ -164,8 +164,10 @@ def autocast_dtype(x):
 
 
 def add_and_norm(x, y, norm):
-    """(x + y, norm(x + y)): the residual stream after a branch, and its normed input to the next branch;
-    one Triton pass where the norm is a fused RMSNorm."""
+    """(x + y, norm(x + y)): the residual stream after a branch y (None: no branch, x as it is), and its normed
+    input to the next branch; one Triton pass where the norm is a fused RMSNorm."""
+    if y is None:
+        return x, norm(x)
     if isinstance(norm, RMSNorm) and norm.fused:
         return add_rms_norm(x, y, norm.weight, norm.eps, autocast_dtype(x))
     x = x + y
@@ -576,10 +578,14 @@ register_attention("castle_swl")(lambda config: CastleAttention(config, window=c
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    With `recompute` (GPT.checkpoint_activations) a forward that records gradients keeps only the
-    block's input and runs the block again in the backward (activation checkpointing). Non-reentrant
-    checkpointing traces under torch.compile, restores the RNG so that dropout draws the same mask
-    again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on this module outside the
+    Each residual add is done by the norm that reads its sum (add_and_norm: one pass with fused norms), so the
+    MLP's add is left to the next block's first norm (or the final norm): GPT.forward passes it on as
+    `pending` and asks for (stream, MLP branch) with `defer_add`; called as block(x, rope) a block adds it.
+
+    With `recompute` (GPT.checkpoint_activations) a forward that records gradients adds the pending
+    branch, keeps only the block's input and runs the block again in the backward (activation
+    checkpointing). Non-reentrant checkpointing traces under torch.compile, restores the
+    RNG so that dropout draws the same mask again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on this module outside the
     recomputed region. A forward with a cache never recomputes: it appends to the cache."""
 
     def __init__(self, config):
@@ -590,14 +596,21 @@ class Block(nn.Module):
         self.mlp = MLPS[config.mlp](config)
         self.recompute = False
 
-    def forward(self, x, rope, cache=None):
+    def forward(self, x, rope, cache=None, pending=None, defer_add=False):
+        """The stream x (+ pending, the previous block's MLP branch it left unadded) -> the stream after this
+        block, or with defer_add the pair (stream before the MLP's add, MLP branch)."""
         if self.recompute and cache is None and torch.is_grad_enabled():
-            return checkpoint(self.residual_layers, x, rope, use_reentrant=False)
-        return self.residual_layers(x, rope, cache)
+            if pending is not None:          # the checkpoint then keeps one input, the stream
+                x = x + pending
+            x, y = checkpoint(self.residual_layers, x, None, rope, use_reentrant=False)
+        else:
+            x, y = self.residual_layers(x, pending, rope, cache)
+        return (x, y) if defer_add else x + y
 
-    def residual_layers(self, x, rope, cache=None):
-        x, h = add_and_norm(x, self.attn(self.norm_attn(x), rope, cache), self.norm_mlp)
-        return x + self.mlp(h)
+    def residual_layers(self, x, pending, rope, cache=None):
+        x, h = add_and_norm(x, pending, self.norm_attn)
+        x, h = add_and_norm(x, self.attn(h, rope, cache), self.norm_mlp)
+        return x, self.mlp(h)
 
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")   # by the memory they save
@@ -685,11 +698,12 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
         rope = self._rope(start, T, idx.device)
+        y = None
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.layers[i] if cache is not None else None)
+            x, y = block(x, rope, cache.layers[i] if cache is not None else None, pending=y, defer_add=True)
         if cache is not None:
             cache.pos += T
-        x = self.norm_f(x)
+        _, x = add_and_norm(x, y, self.norm_f)
         if last_only:
             x = x[:, -1:]
         if targets is not None and self.config.fused_loss != "none":

@@ -120,6 +120,17 @@ def test_swiglu_matches_reference(dtype, shape):
     assert rel(h, ref) < TOLERANCE[dtype] and rel(d_gate_up, ref_d) < TOLERANCE[dtype]
 
 
+def test_swiglu_takes_and_gives_rows_with_padded_strides():
+    """An odd width (SwiGLU's hidden 2389) gets 16-byte aligned rows, as inductor pads its buffers, so the next
+    matmul stays on cuBLAS's aligned path; inputs with padded rows are read in place."""
+    padded = torch.randn(6, 2 * 37 + 6)[:, :2 * 37]
+    dh = torch.randn(6, 40)[:, :37]
+    h, d_gate_up = torch.ops.fused.swiglu_fwd(padded), torch.ops.fused.swiglu_bwd(dh, padded)
+    (ref,), (ref_d,) = grads_of(reference.swiglu, [padded], dh)
+    assert h.stride(0) == 40 and d_gate_up.stride(0) == 76          # fp32: rows rounded up to 4 elements
+    assert rel(h, ref) < 1e-5 and rel(d_gate_up, ref_d) < 1e-5
+
+
 def test_swiglu_rejects_an_odd_packed_axis():
     with pytest.raises(ValueError, match="even"):
         swiglu(torch.randn(2, 7))
@@ -203,6 +214,21 @@ def test_gpt_fused_matches_unfused_fp32(fused, tie):
     assert grads.keys() == ref_grads.keys()
     assert all(rel(grads[k], ref_grads[k]) < 1e-4 for k in grads), \
         {k: rel(grads[k], ref_grads[k]) for k in grads}
+
+
+def test_gpt_fused_with_activation_checkpointing_matches_unfused():
+    """Recomputed blocks (selective: 0 and 2) add the pending branch before their checkpoint; the rest fuse it."""
+    reference_config = tiny_config(n_layer=3)
+    state = GPT(reference_config).state_dict()
+    idx, targets = torch.randint(0, 90, (2, 9)), targets_with_ignored(18, 101, used_vocab=90).view(2, 9)
+    ref_loss, ref_grads = model_loss_and_grads(reference_config, state, idx, targets)
+    model = GPT(tiny_config(n_layer=3, **ALL_FUSED))
+    model.load_state_dict(state)
+    assert model.checkpoint_activations("selective") == 2
+    _, loss = model(idx, targets)
+    loss.backward()
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss
+    assert all(rel(p.grad, ref_grads[k]) < 1e-4 for k, p in model.named_parameters())
 
 
 def test_gpt_fused_matches_unfused_bf16_autocast():

@@ -6,7 +6,7 @@ from typing import Optional
 import torch
 
 from kernels.fused import reference
-from kernels.fused.triton import rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward
+from kernels.fused.triton import aligned_empty, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward
 from kernels.triton_utils import interpreting, triton
 
 
@@ -24,7 +24,7 @@ def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
 
 @_swiglu_fwd.register_fake
 def _(gate_up):
-    return gate_up.new_empty(*gate_up.shape[:-1], gate_up.size(-1) // 2)
+    return aligned_empty((*gate_up.shape[:-1], gate_up.size(-1) // 2), gate_up)
 
 
 @torch.library.custom_op("fused::swiglu_bwd", mutates_args=())
@@ -34,7 +34,7 @@ def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
 
 @_swiglu_bwd.register_fake
 def _(dh, gate_up):
-    return torch.empty_like(gate_up)
+    return aligned_empty(gate_up.shape, gate_up)
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -42,7 +42,7 @@ def _swiglu_setup(ctx, inputs, output):
 
 
 def _swiglu_grad(ctx, dh):
-    return _swiglu_bwd(dh.contiguous(), *ctx.saved_tensors)
+    return _swiglu_bwd(dh, *ctx.saved_tensors)
 
 
 _swiglu_fwd.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
@@ -54,7 +54,7 @@ def swiglu(gate_up):
         raise ValueError(f"swiglu takes a packed [gate | up] last axis of even size, got {gate_up.size(-1)}")
     if not use_triton(gate_up):
         return reference.swiglu(gate_up)
-    return _swiglu_fwd(gate_up.contiguous())
+    return _swiglu_fwd(gate_up)
 
 
 # ----------------------------------------------------------------------------- RMSNorm (+ residual add)

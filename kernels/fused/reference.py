@@ -1,6 +1,5 @@
 """The unfused PyTorch forms every fused op of this package is tested against; op for op what
 model/gpt.py runs with its fused options off."""
-import torch
 import torch.nn.functional as F
 
 

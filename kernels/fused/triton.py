@@ -30,30 +30,30 @@ def _dw_programs(M, device):
 
 if triton is not None:
     @triton.jit
-    def _swiglu_fwd_kernel(gu_ptr, h_ptr, H, BLOCK: tl.constexpr):
+    def _swiglu_fwd_kernel(gu_ptr, h_ptr, H, gu_row, h_row, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
-        a = tl.load(gu_ptr + row * 2 * H + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(gu_ptr + row * 2 * H + H + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(gu_ptr + row * gu_row + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(gu_ptr + row * gu_row + H + cols, mask=mask, other=0.0).to(tl.float32)
         h = a * tl.sigmoid(a) * b
-        tl.store(h_ptr + row * H + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+        tl.store(h_ptr + row * h_row + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _swiglu_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, H, BLOCK: tl.constexpr):
+    def _swiglu_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, H, dh_row, gu_row, dgu_row, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < H
-        dh = tl.load(dh_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(gu_ptr + row * 2 * H + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(gu_ptr + row * 2 * H + H + cols, mask=mask, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + row * dh_row + cols, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(gu_ptr + row * gu_row + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(gu_ptr + row * gu_row + H + cols, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
         silu = a * sig
         da = dh * b * sig * (1.0 + a * (1.0 - sig))
         db = dh * silu
         out_ty = dgu_ptr.dtype.element_ty
-        tl.store(dgu_ptr + row * 2 * H + cols, da.to(out_ty), mask=mask)
-        tl.store(dgu_ptr + row * 2 * H + H + cols, db.to(out_ty), mask=mask)
+        tl.store(dgu_ptr + row * dgu_row + cols, da.to(out_ty), mask=mask)
+        tl.store(dgu_ptr + row * dgu_row + H + cols, db.to(out_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_fwd_kernel(x_ptr, y_ptr, w_ptr, out_ptr, rstd_ptr, s_ptr, C, eps,
@@ -98,19 +98,40 @@ if triton is not None:
         tl.store(dw_ptr + pid * C + cols, dw, mask=mask)
 
 
+def aligned_empty(shape, like):
+    """An empty tensor of `shape` in like's dtype and device whose rows start 16-byte aligned: a view of a
+    buffer with its last axis rounded up, as inductor pads its own buffers (an odd width such as SwiGLU's
+    hidden 2389 would otherwise put the next matmul's operand off cuBLAS's aligned fast path)."""
+    per = max(1, 16 // like.element_size())
+    stride = [1]
+    for size in reversed(shape[1:]):
+        stride.insert(0, stride[0] * (-(-size // per) * per if len(stride) == 1 else size))
+    return torch.empty_strided(shape, stride, dtype=like.dtype, device=like.device)
+
+
+def rows(x):
+    """x as (rows, last axis), a view wherever the last axis is contiguous and the rows evenly spaced."""
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return x.reshape(-1, x.size(-1))
+
+
 def swiglu_forward(gate_up):
-    M, H = gate_up.numel() // gate_up.size(-1), gate_up.size(-1) // 2
-    h = gate_up.new_empty(*gate_up.shape[:-1], H)
-    if M:
-        _swiglu_fwd_kernel[(M, triton.cdiv(H, SWIGLU_BLOCK))](gate_up, h, H, BLOCK=SWIGLU_BLOCK)
+    H = gate_up.size(-1) // 2
+    h = aligned_empty((*gate_up.shape[:-1], H), gate_up)
+    gu, h2 = rows(gate_up), h.view(-1, H)
+    if gu.size(0):
+        _swiglu_fwd_kernel[(gu.size(0), triton.cdiv(H, SWIGLU_BLOCK))](gu, h2, H, gu.stride(0), h2.stride(0),
+                                                                        BLOCK=SWIGLU_BLOCK)
     return h
 
 
 def swiglu_backward(dh, gate_up):
-    M, H = gate_up.numel() // gate_up.size(-1), gate_up.size(-1) // 2
-    d_gate_up = torch.empty_like(gate_up)
-    if M:
-        _swiglu_bwd_kernel[(M, triton.cdiv(H, SWIGLU_BLOCK))](dh, gate_up, d_gate_up, H, BLOCK=SWIGLU_BLOCK)
+    H = gate_up.size(-1) // 2
+    d_gate_up = aligned_empty(gate_up.shape, gate_up)
+    gu, dgu, dh2 = rows(gate_up), d_gate_up.view(-1, 2 * H), rows(dh)
+    if gu.size(0):
+        _swiglu_bwd_kernel[(gu.size(0), triton.cdiv(H, SWIGLU_BLOCK))](
+            dh2, gu, dgu, H, dh2.stride(0), gu.stride(0), dgu.stride(0), BLOCK=SWIGLU_BLOCK)
     return d_gate_up
 
 
