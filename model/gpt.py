@@ -584,9 +584,10 @@ class Block(nn.Module):
 
     With `recompute` (GPT.checkpoint_activations) a forward that records gradients adds the pending
     branch, keeps only the block's input and runs the block again in the backward (activation
-    checkpointing). Non-reentrant checkpointing traces under torch.compile, restores the
-    RNG so that dropout draws the same mask again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on this module outside the
-    recomputed region. A forward with a cache never recomputes: it appends to the cache."""
+    checkpointing). Non-reentrant checkpointing traces under torch.compile, restores the RNG so that
+    dropout draws the same mask again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on
+    this module outside the recomputed region. A forward with a cache never recomputes: it appends to
+    the cache."""
 
     def __init__(self, config):
         super().__init__()

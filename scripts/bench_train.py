@@ -165,7 +165,8 @@ def run_plain(script, shape, steps):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = re.search(r"([\d,]+) tokens/s, peak ([\d.]+) GiB", proc.stdout)
     if proc.returncode or not found:
-        raise RuntimeError(f"the yardstick {' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        raise RuntimeError(f"the yardstick {' '.join(cmd)} failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout}{proc.stderr}")
     return {"tok_s": float(found[1].replace(",", "")), "peak_GiB": float(found[2])}
 
 
