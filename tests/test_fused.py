@@ -244,6 +244,18 @@ def test_gpt_fused_matches_unfused_bf16_autocast():
     assert all(rel(grads[k], ref_grads[k]) < 2e-2 for k in grads), {k: rel(grads[k], ref_grads[k]) for k in grads}
 
 
+def test_gpt_fused_compiles_to_one_graph_under_autocast():
+    """torch.compile(fullgraph=True) fails on any graph break: the fused norms, SwiGLU and loss, autocast's dtype
+    queries included, trace whole; the compiled loss is the eager one."""
+    model = GPT(tiny_config(**ALL_FUSED))
+    idx, targets = torch.randint(0, 90, (2, 9)), targets_with_ignored(18, 101, used_vocab=90).view(2, 9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = torch.compile(model, backend="aot_eager", fullgraph=True)(idx, targets)
+        _, eager = model(idx, targets)
+    loss.backward()
+    assert abs(loss - eager) <= 1e-5 * eager and all(p.grad is not None for p in model.parameters())
+
+
 def test_gpt_fused_loss_returns_no_logits_and_generation_is_unchanged():
     config = tiny_config(**ALL_FUSED)
     model = GPT(config)

@@ -72,6 +72,7 @@ def chunked_linear_cross_entropy(x, weight, targets, ignore_index=-1, chunk_size
     return ChunkedLinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size)
 
 
+@torch.compiler.disable   # Liger's launch code queries the device in Python: one graph break, at the model's last op
 def liger_linear_cross_entropy(x, weight, targets, ignore_index=-1):
     """Liger-Kernel's fused linear cross-entropy (Triton), same contract, weight gradient accumulated in fp32."""
     try:
