@@ -2,17 +2,19 @@
 forward and backward. Each reads its inputs once and writes its outputs once; math in fp32, loads and stores in
 the tensors' own dtypes. On CPU they run under TRITON_INTERPRET=1.
 
-    swiglu_forward(gate_up) -> h                       gate_up (M, 2H) = [a | b], h = silu(a) * b (M, H)
+    swiglu_forward(gate_up) -> h                       gate_up (..., 2H) = [a | b], h = silu(a) * b (..., H)
     swiglu_backward(dh, gate_up) -> d gate_up          [dh * b * silu'(a) | dh * silu(a)]
+        both outputs with 16-byte aligned rows (aligned_empty)
     rms_norm_forward(x, y, w, eps, out_dtype) -> (out, rstd, s)
         s = x + y (y None: s = x, returned as an empty tensor), out = s * rstd * w in out_dtype,
         rstd = 1 / sqrt(mean(s^2) + eps) in fp32 (M,)
     rms_norm_backward(dout, ds, s, w, rstd, dx_dtype, dy_dtype) -> (dx, dy, dw)
-        d s = rstd * (g - s_hat * mean(g * s_hat)) + ds, g = dout * w, s_hat = s * rstd; dx = ds in dx_dtype,
+        d s = rstd * (g - s_hat * mean(g * s_hat)) + ds, g = dout * w, s_hat = s * rstd; dx = d s in dx_dtype,
         dy the same in dy_dtype (None: not written, an empty tensor), dw = sum over rows of dout * s_hat
 
-Rows are the last axis (contiguous); one program takes whole rows (RMSNorm: the row in one block of
-next_pow2(C) lanes) so each reduction is in registers. The RMSNorm backward's programs each walk a strip of
+SwiGLU's programs each take BLOCK consecutive outputs of the flattened (M, H), whatever the rows' padding (so an
+odd H wastes no lanes). RMSNorm's rows are the last axis (contiguous); a program takes whole rows (in one block
+of next_pow2(C) lanes), so each reduction is in registers. The RMSNorm backward's programs each walk a strip of
 rows, summing their share of dw in fp32; the strips' partial sums are added by torch.
 """
 import torch
@@ -30,30 +32,33 @@ def _dw_programs(M, device):
 
 if triton is not None:
     @triton.jit
-    def _swiglu_fwd_kernel(gu_ptr, h_ptr, H, gu_row, h_row, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < H
-        a = tl.load(gu_ptr + row * gu_row + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(gu_ptr + row * gu_row + H + cols, mask=mask, other=0.0).to(tl.float32)
-        h = a * tl.sigmoid(a) * b
-        tl.store(h_ptr + row * h_row + cols, h.to(h_ptr.dtype.element_ty), mask=mask)
+    def _swiglu_offsets(n, H: tl.constexpr, in_row, out_row, BLOCK: tl.constexpr):
+        """Element offsets of this program's BLOCK of the n = M * H outputs: into a (row of gate_up) and out."""
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        row = i // H                     # H constexpr: a multiply and shift, not a division
+        col = i - row * H
+        return row * in_row + col, row * out_row + col, i < n
 
     @triton.jit
-    def _swiglu_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, H, dh_row, gu_row, dgu_row, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < H
-        dh = tl.load(dh_ptr + row * dh_row + cols, mask=mask, other=0.0).to(tl.float32)
-        a = tl.load(gu_ptr + row * gu_row + cols, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(gu_ptr + row * gu_row + H + cols, mask=mask, other=0.0).to(tl.float32)
+    def _swiglu_fwd_kernel(gu_ptr, h_ptr, n, H: tl.constexpr, gu_row, h_row, BLOCK: tl.constexpr):
+        a_at, h_at, mask = _swiglu_offsets(n, H, gu_row, h_row, BLOCK)
+        a = tl.load(gu_ptr + a_at, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(gu_ptr + a_at + H, mask=mask, other=0.0).to(tl.float32)
+        tl.store(h_ptr + h_at, (a * tl.sigmoid(a) * b).to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _swiglu_bwd_kernel(dh_ptr, gu_ptr, dgu_ptr, n, H: tl.constexpr, dh_row, gu_row, dgu_row,
+                           BLOCK: tl.constexpr):
+        a_at, dh_at, mask = _swiglu_offsets(n, H, gu_row, dh_row, BLOCK)
+        da_at, _, _ = _swiglu_offsets(n, H, dgu_row, dh_row, BLOCK)
+        dh = tl.load(dh_ptr + dh_at, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(gu_ptr + a_at, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(gu_ptr + a_at + H, mask=mask, other=0.0).to(tl.float32)
         sig = tl.sigmoid(a)
-        silu = a * sig
-        da = dh * b * sig * (1.0 + a * (1.0 - sig))
-        db = dh * silu
+        da = dh * b * sig * (1.0 + a * (1.0 - sig))      # d silu(a) / da = sig * (1 + a (1 - sig))
         out_ty = dgu_ptr.dtype.element_ty
-        tl.store(dgu_ptr + row * dgu_row + cols, da.to(out_ty), mask=mask)
-        tl.store(dgu_ptr + row * dgu_row + H + cols, db.to(out_ty), mask=mask)
+        tl.store(dgu_ptr + da_at, da.to(out_ty), mask=mask)
+        tl.store(dgu_ptr + da_at + H, (dh * a * sig).to(out_ty), mask=mask)
 
     @triton.jit
     def _rms_norm_fwd_kernel(x_ptr, y_ptr, w_ptr, out_ptr, rstd_ptr, s_ptr, C, eps,
@@ -119,9 +124,10 @@ def swiglu_forward(gate_up):
     H = gate_up.size(-1) // 2
     h = aligned_empty((*gate_up.shape[:-1], H), gate_up)
     gu, h2 = rows(gate_up), h.view(-1, H)
-    if gu.size(0):
-        _swiglu_fwd_kernel[(gu.size(0), triton.cdiv(H, SWIGLU_BLOCK))](gu, h2, H, gu.stride(0), h2.stride(0),
-                                                                        BLOCK=SWIGLU_BLOCK)
+    n = gu.size(0) * H
+    if n:
+        _swiglu_fwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](gu, h2, n, H, gu.stride(0), h2.stride(0),
+                                                            BLOCK=SWIGLU_BLOCK)
     return h
 
 
@@ -129,9 +135,10 @@ def swiglu_backward(dh, gate_up):
     H = gate_up.size(-1) // 2
     d_gate_up = aligned_empty(gate_up.shape, gate_up)
     gu, dgu, dh2 = rows(gate_up), d_gate_up.view(-1, 2 * H), rows(dh)
-    if gu.size(0):
-        _swiglu_bwd_kernel[(gu.size(0), triton.cdiv(H, SWIGLU_BLOCK))](
-            dh2, gu, dgu, H, dh2.stride(0), gu.stride(0), dgu.stride(0), BLOCK=SWIGLU_BLOCK)
+    n = gu.size(0) * H
+    if n:
+        _swiglu_bwd_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](dh2, gu, dgu, n, H, dh2.stride(0), gu.stride(0),
+                                                            dgu.stride(0), BLOCK=SWIGLU_BLOCK)
     return d_gate_up
 
 
