@@ -54,6 +54,8 @@ def test_linear_cross_entropy_matches_reference_fp32(impl, chunk):
     assert loss.dtype == torch.float32 and abs(loss - ref) <= 1e-5 * ref
     assert rel(dx, ref_dx) < 1e-5 and rel(dw, ref_dw) < 1e-5
     assert dw[90:].abs().sum() > 0        # padding rows get the softmax's gradient, as in the reference
+    with torch.no_grad():                 # evaluation: the loss alone
+        assert abs(fn(x, w) - ref) <= 1e-5 * ref
 
 
 @pytest.mark.parametrize("impl", LOSS_IMPLS)

@@ -16,6 +16,8 @@ its gradient and the casts fuse into a few kernels per chunk around the three ma
 """
 import torch
 
+from kernels.triton_utils import interpreting
+
 DEFAULT_CHUNK = 8192   # tokens per chunk: bf16 logits and their gradient take 2 * chunk * V * 2 bytes
 
 
@@ -30,9 +32,7 @@ def compute_dtype(x, weight):
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, ignore_index, chunk_size):
-        dtype = compute_dtype(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            loss, dx, dw = _loss_and_grads(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk_size)
+        loss, dx, dw = _loss_and_grads(x, weight, targets, ignore_index, chunk_size, with_grads=True)
         ctx.save_for_backward(dx.to(x.dtype), dw.to(weight.dtype))
         return loss
 
@@ -42,13 +42,20 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         return dx * grad_loss.to(dx.dtype), dw * grad_loss.to(dw.dtype), None, None, None
 
 
-def _loss_and_grads(x, weight, targets, ignore_index, chunk_size):
-    """(mean loss, d loss / dx, d loss / dW in fp32); x (N, d) and W (V, d) in the compute dtype."""
+def _loss_and_grads(x, weight, targets, ignore_index, chunk_size, with_grads):
+    """(mean loss, d loss / dx, d loss / dW in fp32), the gradients None without with_grads."""
+    dtype = compute_dtype(x, weight)
+    with torch.autocast(x.device.type, enabled=False):
+        return _chunks(x.to(dtype), weight.to(dtype), targets, ignore_index, chunk_size, with_grads)
+
+
+def _chunks(x, weight, targets, ignore_index, chunk_size, with_grads):
+    """_loss_and_grads with x (N, d) and W (V, d) in the compute dtype."""
     counted = targets != ignore_index
     n_counted = counted.sum()
     columns = torch.arange(weight.size(0), device=x.device)
     loss_sum = torch.zeros((), device=x.device, dtype=torch.float32)
-    dw = torch.zeros(weight.shape, device=x.device, dtype=torch.float32)
+    dw = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if with_grads else None
     dx = []
     for start in range(0, x.size(0), chunk_size):
         x_c = x[start:start + chunk_size]
@@ -57,19 +64,24 @@ def _loss_and_grads(x, weight, targets, ignore_index, chunk_size):
         logits = (x_c @ weight.t()).float()
         lse = torch.logsumexp(logits, dim=-1, keepdim=True)
         loss_sum = loss_sum + ((lse - logits.gather(1, target)).squeeze(1) * keep).sum()
+        if not with_grads:
+            continue
         # d mean / d logits = (softmax - onehot(target)) / n_counted on counted rows, 0 on ignored ones
         probs = torch.exp(logits - lse)
         scale = (keep / n_counted)[:, None]
         grad = (torch.where(columns == target, probs - 1, probs) * scale).to(x.dtype)
         dx.append(grad @ weight)
         dw = dw + (grad.t() @ x_c).float()
-    return loss_sum / n_counted, torch.cat(dx), dw
+    return loss_sum / n_counted, torch.cat(dx) if with_grads else None, dw
 
 
 def chunked_linear_cross_entropy(x, weight, targets, ignore_index=-1, chunk_size=DEFAULT_CHUNK):
     """Mean cross-entropy of x @ weight^T (x (N, d), weight (V, d), targets (N,)) over targets != ignore_index;
-    equal to reference.linear_cross_entropy, differentiable in x and weight."""
-    return ChunkedLinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size)
+    equal to reference.linear_cross_entropy, differentiable in x and weight. Without autograd (no_grad, or
+    neither input requiring a gradient) only the loss is computed."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return ChunkedLinearCrossEntropy.apply(x, weight, targets, ignore_index, chunk_size)
+    return _loss_and_grads(x, weight, targets, ignore_index, chunk_size, with_grads=False)[0]
 
 
 @torch.compiler.disable   # Liger's launch code queries the device in Python: one graph break, at the model's last op
@@ -80,6 +92,9 @@ def liger_linear_cross_entropy(x, weight, targets, ignore_index=-1):
     except ImportError as e:
         raise ImportError("model.fused_loss=liger needs the liger-kernel package (pip install liger-kernel); "
                           "or use model.fused_loss=chunked") from e
+    if not (x.is_cuda or interpreting()):
+        raise ValueError("model.fused_loss=liger runs Liger-Kernel's Triton kernels, which need a CUDA device; "
+                         "use model.fused_loss=chunked here")
     x = x.to(compute_dtype(x, weight))
     return liger_fused_linear_cross_entropy(x, weight, targets, ignore_index=ignore_index,
                                             accum_dtype=torch.float32)
