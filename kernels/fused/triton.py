@@ -17,6 +17,8 @@ odd H wastes no lanes). RMSNorm's rows are the last axis (contiguous); a program
 of next_pow2(C) lanes), so each reduction is in registers. The RMSNorm backward's programs each walk a strip of
 rows, summing their share of dw in fp32; the strips' partial sums are added by torch.
 """
+import functools
+
 import torch
 
 from kernels.triton_utils import tl, triton
@@ -24,10 +26,14 @@ from kernels.triton_utils import tl, triton
 SWIGLU_BLOCK = 1024
 
 
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device):
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+
+
 def _dw_programs(M, device):
     """Programs of the RMSNorm backward: a few per SM (each sums its rows' dw), at most one per row."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-    return max(1, min(M, 4 * sms))
+    return max(1, min(M, 4 * _multiprocessors(device)))
 
 
 if triton is not None:
