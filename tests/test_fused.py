@@ -3,6 +3,8 @@ linear + cross-entropy, the SwiGLU and RMSNorm(+add) Triton kernels (on CPU thro
 every gradient in fp32 and bf16 at odd sizes with ignored targets and padded vocabularies; the whole GPT fused
 and unfused; GPU-marked tests at real sizes and a 50-step loss curve."""
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -384,3 +386,16 @@ def test_bench_fused_specs_become_model_overrides():
     for bad in ("fast", "loss", "norm=yes", "loss=chunked,swiglu=fast"):
         with pytest.raises(ValueError, match="--fused"):
             fused_overrides(bad)
+
+
+@pytest.mark.slow
+def test_bench_runs_every_fused_spec():
+    """scripts.bench_train --fused: one row per spec, labelled, with the model's own parameter count."""
+    args = ["--device", "cpu", "--models", "tiny", "--fused", "none", "all", "swiglu=packed", "--steps", "1",
+            "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile", "--sdpa-backend", "math"]
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench_train"] + args, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in proc.stdout.splitlines() if line.startswith("| tiny")]
+    assert [r[0].strip() for r in rows] == ["tiny +none", "tiny +all", "tiny +swiglu=packed"]
+    assert len({r[1] for r in rows}) == 1 and all(float(r[3].replace(",", "")) > 0 for r in rows)
