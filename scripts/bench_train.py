@@ -172,6 +172,7 @@ def run_plain(script, shape, steps):
 
 def measure_plain(args, shapes, plain):
     """Run the yardstick once at each shape, appending to plain[shape]; print its rows."""
+    torch.cuda.empty_cache()                 # memory this process caches is memory the yardstick cannot have
     for shape in dict.fromkeys(shapes):
         run = run_plain(args.plain, shape, args.steps)
         plain.setdefault(shape, []).append(run)
