@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.fused import LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu
+from kernels.fused import reference as fused_reference
 from kernels.sdpa import decode_sdpa
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias, tree_decode
 
@@ -69,6 +71,11 @@ class GPTConfig:
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
     output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
+    # Fused kernels (kernels/fused): how the model computes, not what (outputs and gradients match the unfused path
+    # to rounding); off is the unfused reference path
+    fused_loss: str = "none"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
+    fused_norm: bool = False            # Triton RMSNorm; the block's attention residual add fused into its MLP norm
+    fused_swiglu: str = "none"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
 
     def __post_init__(self):
         if self.castle_match_heads:       # applied once: the saved config then holds the real count
@@ -92,6 +99,7 @@ class GPTConfig:
         self._check_castle_ablations()
         self._check_forget_gate()
         self._check_attention_window()
+        self._check_fused()
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
                              f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
@@ -136,6 +144,17 @@ class GPTConfig:
             raise ValueError(f"model.attention_window={w} has no attention dropout (the sliding-window kernels "
                              f"do not drop); set model.dropout=0 (got {self.dropout})")
 
+    def _check_fused(self):
+        for name, allowed in [("fused_loss", LOSS_IMPLS), ("fused_swiglu", FUSED_SWIGLU)]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
+        if self.fused_norm and self.norm != "rmsnorm":
+            raise ValueError(f"model.fused_norm=true fuses RMSNorm, but model.norm={self.norm}; "
+                             "set model.fused_norm=false")
+        if self.fused_swiglu != "none" and self.mlp != "swiglu":
+            raise ValueError(f"model.fused_swiglu={self.fused_swiglu} fuses SwiGLU, but model.mlp={self.mlp}; "
+                             "set model.fused_swiglu=none")
+
     @classmethod
     def from_dict(cls, d):
         """Build from a (Hydra) mapping, ignoring keys that are not model fields; unknown keys error."""
@@ -148,20 +167,46 @@ class GPTConfig:
 
 # ----------------------------------------------------------------------------- norms, MLPs
 
+FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # GPTConfig fields that change no result
+FUSED_SWIGLU = ("none", "packed", "triton")
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
+    """RMSNorm; `fused`: the Triton kernels (kernels/fused), which under autocast write the output in autocast's
+    dtype: every consumer of a block's or the final norm is a Linear, which would round it to that dtype anyway."""
+
+    def __init__(self, dim, eps=1e-5, fused=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, autocast_dtype(x))
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def autocast_dtype(x):
+    """Autocast's dtype where it is on for x's device, else None."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def add_and_norm(x, y, norm):
+    """(x + y, norm(x + y)): the residual stream after a branch y (None: no branch, x as it is), and its normed
+    input to the next branch; one Triton pass where the norm is a fused RMSNorm."""
+    if y is None:
+        return x, norm(x)
+    if isinstance(norm, RMSNorm) and norm.fused:
+        return add_rms_norm(x, y, norm.weight, norm.eps, autocast_dtype(x))
+    x = x + y
+    return x, norm(x)
 
 
 def make_norm(config, dim=None):
     dim = dim or config.n_embd
     if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps)
+        return RMSNorm(dim, config.norm_eps, fused=config.fused_norm)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
@@ -178,6 +223,10 @@ def mlp_hidden_size(config):
 
 
 class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) * w_up x). `fused` (GPTConfig.fused_swiglu) "packed": one matmul with the
+    concatenated [w_gate; w_up] (x read once, one matmul each way in the backward; the weights stay two
+    parameters), silu(a) * b left to torch.compile; "triton": packed, and the Triton kernel for silu(a) * b."""
+
     def __init__(self, config):
         super().__init__()
         hidden = mlp_hidden_size(config)
@@ -185,9 +234,14 @@ class SwiGLU(nn.Module):
         self.w_up = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.w_down = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.w_down.residual_proj = True
+        self.fused = config.fused_swiglu
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.fused == "none":
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        bias = torch.cat([self.w_gate.bias, self.w_up.bias]) if self.w_gate.bias is not None else None
+        gate_up = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight]), bias)
+        return self.w_down(swiglu(gate_up) if self.fused == "triton" else fused_reference.swiglu(gate_up))
 
 
 class GeluMLP(nn.Module):
@@ -650,11 +704,16 @@ register_attention("castle_swl")(lambda config: CastleAttention(config, window=c
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
 
-    With `recompute` (GPT.checkpoint_activations) a forward that records gradients keeps only the
-    block's input and runs the block again in the backward (activation checkpointing). Non-reentrant
-    checkpointing traces under torch.compile, restores the RNG so that dropout draws the same mask
-    again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on this module outside the
-    recomputed region. A forward with a cache never recomputes: it appends to the cache."""
+    Each residual add is done by the norm that reads its sum (add_and_norm: one pass with fused norms), so the
+    MLP's add is left to the next block's first norm (or the final norm): GPT.forward passes it on as
+    `pending` and asks for (stream, MLP branch) with `defer_add`; called as block(x, rope) a block adds it.
+
+    With `recompute` (GPT.checkpoint_activations) a forward that records gradients adds the pending
+    branch, keeps only the block's input and runs the block again in the backward (activation
+    checkpointing). Non-reentrant checkpointing traces under torch.compile, restores the RNG so that
+    dropout draws the same mask again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on
+    this module outside the recomputed region. A forward with a cache never recomputes: it appends to
+    the cache."""
 
     def __init__(self, config):
         super().__init__()
@@ -664,14 +723,21 @@ class Block(nn.Module):
         self.mlp = MLPS[config.mlp](config)
         self.recompute = False
 
-    def forward(self, x, rope, cache=None):
+    def forward(self, x, rope, cache=None, pending=None, defer_add=False):
+        """The stream x (+ pending, the previous block's MLP branch it left unadded) -> the stream after this
+        block, or with defer_add the pair (stream before the MLP's add, MLP branch)."""
         if self.recompute and cache is None and torch.is_grad_enabled():
-            return checkpoint(self.residual_layers, x, rope, use_reentrant=False)
-        return self.residual_layers(x, rope, cache)
+            if pending is not None:          # the checkpoint then keeps one input, the stream
+                x = x + pending
+            x, y = checkpoint(self.residual_layers, x, None, rope, use_reentrant=False)
+        else:
+            x, y = self.residual_layers(x, pending, rope, cache)
+        return (x, y) if defer_add else x + y
 
-    def residual_layers(self, x, rope, cache=None):
-        x = x + self.attn(self.norm_attn(x), rope, cache)
-        return x + self.mlp(self.norm_mlp(x))
+    def residual_layers(self, x, pending, rope, cache=None):
+        x, h = add_and_norm(x, pending, self.norm_attn)
+        x, h = add_and_norm(x, self.attn(h, rope, cache), self.norm_mlp)
+        return x, self.mlp(h)
 
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")   # by the memory they save
@@ -745,7 +811,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None, last_only=False):
         """idx (B, T) -> (logits, loss). logits: (B, T, vocab), or (B, 1, vocab) with last_only.
 
-        With `cache` (from `new_cache`), the T tokens continue the cached sequence.
+        With `cache` (from `new_cache`), the T tokens continue the cached sequence. With targets and
+        config.fused_loss, the loss comes from the hidden states and lm_head's weight without the logits,
+        and logits is None. Targets of -1 are ignored; every vocab_size row takes part in the softmax.
         """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
@@ -757,13 +825,17 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
         rope = self._rope(start, T, idx.device)
+        y = None
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.layers[i] if cache is not None else None)
+            x, y = block(x, rope, cache.layers[i] if cache is not None else None, pending=y, defer_add=True)
         if cache is not None:
             cache.pos += T
-        x = self.norm_f(x)
+        _, x = add_and_norm(x, y, self.norm_f)
         if last_only:
             x = x[:, -1:]
+        if targets is not None and self.config.fused_loss != "none":
+            return None, linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                              ignore_index=-1, impl=self.config.fused_loss)
         logits = self.lm_head(x)
         loss = None
         if targets is not None:
