@@ -469,7 +469,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     def checkpoint(at_step):
         """Every rank. The loader's state is the global stream position, the same on every rank, and
         the RNG states are seeded alike: rank 0's stand for all (as in the full format)."""
-        nonlocal last_ckpt, saved_step, pending
+        nonlocal saved_step, pending
         saved_step = at_step
         finish_checkpoint()                  # one save at a time
         start = time.perf_counter()
