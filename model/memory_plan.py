@@ -1,0 +1,253 @@
+"""The per-GPU memory a training run will peak at, estimated before its first step.
+
+    plan = memory_plan(config, micro_batch=16, seq_len=2048, world=4, parallel="fsdp",
+                       activation_checkpointing="full", autocast=True, device_type="cuda", compiled=True)
+    print(describe(plan, capacity))          # one line: every term in GiB
+    check_fits(plan, capacity, "error")       # MemoryPlanError naming the settings to change
+
+Every term is bytes per rank (`plan["terms"]`). The peak of a step comes at the start of the
+backward, when every saved activation is still held and the loss's vocabulary-wide gradients are
+made, or in the optimizer step, when every gradient exists:
+
+    peak = context + params + optimizer + ddp_buckets
+           + max(grads_held + weight_copies + activations + logits_saved + max(logits_grads, recompute),
+                 grads)
+
+params       the fp32 parameters: all of them under DDP (and one process); under FSDP2 (train.parallel=fsdp)
+             1/world of them plus what is gathered at once: the root unit (embedding, final norm, tied
+             head; kept gathered through the step) and two blocks (the one running and the prefetched one).
+grads        fp32 gradients, the same sharing as params. They exist from the backward to the optimizer
+             step; at the start of the backward only gradient accumulation (grad_accum > 1) keeps them
+             (grads_held), otherwise they are made while the activations are freed.
+optimizer    AdamW's two fp32 moments per parameter (fused on CUDA: no per-step copies); 1/world under FSDP2.
+ddp_buckets  DDP's flat gradient buckets (gradient_as_bucket_view off): one more fp32 gradient copy.
+weight_copies  under bf16 autocast every Linear saves the bf16 copy of its weight for the backward: 2 bytes
+             per weight of the head and of every block not recomputed (a recomputed block casts again
+             in the backward); whole weights under FSDP2 too (they are cast from the gathered ones).
+activations  what autograd keeps from the forward for the backward, per token (block_bytes_per_token):
+             per block not recomputed, its saved tensors; per recomputed block (activation checkpointing)
+             only its input (fp32 residual, 4 d bytes); plus the final norm's and the head's inputs.
+logits_saved the (B, T, V) logits in the autocast dtype (the caller holds them) and cross_entropy's fp32
+             log-softmax (eager; compiled, a fused loss keeps only the logits and a log-sum-exp).
+logits_grads the loss's backward: the fp32 gradient of the log-softmax and of its input, alive together
+             (eager); compiled, one fused gradient in the autocast dtype.
+recompute    during the backward one recomputed block's activations are live again (if any recomputes).
+context      CUDA context, cuBLAS / cuDNN workspaces and allocator slack: a fixed allowance (CPU: 0).
+
+Per-block saved tensors are counted from what the code keeps (model/gpt.py, kernels/castle, kernels/
+forgetting): the fp32 residual input and the residual after attention (4 d each), each norm's fp32
+rstd (and on CPU, where F.rms_norm is composite, also x * rstd), each Linear's input in the autocast
+dtype (under autocast one cast per Linear that reads it; compiled, one), the projections' outputs, the
+rotated / normalized / shifted q, k, v, the attention core's own saves (SDPA and the Triton kernels:
+output + log-sum-exp; the CPU references of FoX and CASTLE: their L x L probability matrices), and the
+MLP's hidden activations (SwiGLU: gate, SiLU(gate), up, product; compiled, SiLU(gate) is recomputed).
+The count is of eager PyTorch; compiled graphs keep the same tensors except the pointwise ones torch.compile
+recomputes (named above). `scripts/bench_memory.py` prints each estimate next to the measured peak.
+"""
+import math
+
+import torch
+
+from model.gpt import GPT, mlp_hidden_size
+
+GiB = 2 ** 30
+CUDA_CONTEXT_BYTES = GiB      # CUDA context (~0.5 GiB) + cuBLAS / cuDNN workspaces + fragmentation
+MEMORY_CHECKS = ("error", "warn", "off")
+FP32 = 4
+
+
+class MemoryPlanError(ValueError):
+    """The plan does not fit the device (a user error: change the settings it names)."""
+
+
+# ----------------------------------------------------------------------------- activations
+
+def norm_bytes(c, cpu):
+    """What the block's RMSNorm / LayerNorm keeps besides its input, per token: fp32 rstd (LayerNorm: mean
+    too); the composite F.rms_norm of the CPU also keeps x * rstd (fp32)."""
+    return 2 * FP32 + (FP32 * c.n_embd if cpu and c.norm == "rmsnorm" else 0)
+
+
+def linear_inputs(width, readers, a, compiled):
+    """The Linear inputs saved for a norm output read by `readers` Linears: fp32, the output itself once;
+    under autocast each Linear saves its own bf16 cast (compiled: one shared cast)."""
+    if a == FP32:
+        return FP32 * width
+    return a * width * (1 if compiled else readers)
+
+
+def head_norm_bytes(i, H, a, cpu):
+    """HeadRMSNorm of a (B, H, T, D) tensor: rstd per head, the normalized tensor (saved by * weight);
+    on CPU the composite norm of a 16-bit input keeps an fp32 copy too."""
+    return FP32 * H + a * i + (FP32 * i if cpu and a != FP32 else 0)
+
+
+def softmax_attention_bytes(c, T, a, cpu):
+    """SoftmaxAttention (baseline, FoX; LLaMA or Pro block) per token, beyond its input."""
+    i, H = c.n_head * c.head_dim, c.n_head
+    new_qk = c.pos == "rope" or c.qk_norm
+    reference = cpu and c.attention == "fox"   # keeps its own copies of q, k, v, not the projection's tensors
+    if reference and not (c.qk_norm or c.kv_shift):
+        new_qk = False                                    # nothing else keeps the projection or rotated q, k
+    total = 0 if reference and not (c.qk_norm or c.kv_shift) else 3 * a * i   # qkv projection (v a view of it)
+    if c.kv_shift:                                        # eq (17), (19): alpha fp32, the shifted k, v
+        total += 2 * FP32 * H + 2 * (FP32 * i + (FP32 * i if a != FP32 else 0)) + 2 * a * i
+        total += a * i if new_qk else 0                   # q
+    elif new_qk:
+        total += 2 * a * i
+    if c.qk_norm:
+        total += 2 * head_norm_bytes(i, H, a, cpu)
+    if c.pos == "rope" and c.qk_norm:
+        total += 2 * a * i                                # rope after the norm: new q, k again
+    if c.attention == "fox":
+        total += 2 * FP32 * H                             # gate logits and log f, fp32
+        if reference:      # fp32 probabilities (+ their bf16 copy for p @ v), copies of q, k, v, the output
+            total += (FP32 + (a if a != FP32 else 0)) * H * T + (3 + (a != FP32)) * a * i
+        else:                                             # Triton: c offsets, output, lse
+            total += 2 * FP32 * H + a * i
+    else:
+        total += FP32 * H + (0 if cpu and a == FP32 else a * i)   # SDPA: lse, output (+ the merged copy)
+    total += a * i                                        # the output projection's input
+    if c.output_norm:
+        total += head_norm_bytes(i, H, a, cpu)
+    if c.output_gate:
+        total += 2 * a * i                                # sigmoid(gate) and the gated output
+    return total
+
+
+def castle_attention_bytes(c, T, a, cpu):
+    """CastleAttention per token, beyond its input: six projections, rotated copies, the core."""
+    i, H = c.n_head * c.head_dim, c.n_head
+    if cpu:        # attn_parallel: sigmoid(Qu Ku^T), A_U, R, S^U, softmax: five L x L per head, its seven
+        return 5 * a * H * T + (8 + (a != FP32)) * a * i   # operand copies, the merged output
+    rotated = {"causal": 2, "qk": 4, "qkv": 5}[c.castle_rope]
+    # Triton: the six projections (views of one output) and the rotated ones, output, log-sum-exp (the
+    # default "stored" backward keeps no U), the output projection's input (merged heads)
+    return 6 * a * i + rotated * a * i + a * i + FP32 * H + a * i
+
+
+def mlp_bytes(c, a, compiled):
+    h = mlp_hidden_size(c)
+    if c.mlp == "swiglu":                                 # gate, SiLU(gate) (compiled: recomputed), up, product
+        return (3 if compiled else 4) * a * h
+    return 2 * a * h                                      # up, GELU(up)
+
+
+def attention_readers(c):
+    """Linears that read the attention norm's output."""
+    if c.attention.startswith("castle"):
+        return 1
+    return 1 + (c.attention == "fox" and c.fgate == "data_dependent") + bool(c.kv_shift) + bool(c.output_gate)
+
+
+def block_bytes_per_token(c, T, a, cpu, compiled):
+    """Bytes one block keeps for the backward per token (its own input included)."""
+    d = c.n_embd
+    attention = (castle_attention_bytes if c.attention.startswith("castle") else softmax_attention_bytes)(c, T, a, cpu)
+    return (FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, attention_readers(c), a, compiled) + attention
+            + FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, 2 if c.mlp == "swiglu" else 1, a, compiled)
+            + mlp_bytes(c, a, compiled))
+
+
+def recomputed_blocks(n_layer, mode, every):
+    """How many blocks GPT.checkpoint_activations recomputes."""
+    return {"none": 0, "full": n_layer, "selective": math.ceil(n_layer / every)}[mode]
+
+
+def activation_bytes(c, B, T, a, cpu, compiled, mode, every):
+    """(activations kept after the forward, one recomputed block's activations) in bytes."""
+    block = block_bytes_per_token(c, T, a, cpu, compiled) * B * T
+    n_rec = recomputed_blocks(c.n_layer, mode, every)
+    d = c.n_embd
+    head = (FP32 * d + norm_bytes(c, cpu) + a * d + 8) * B * T   # final norm, lm_head input, token ids
+    kept = (c.n_layer - n_rec) * block + n_rec * FP32 * d * B * T + head
+    return kept, block if n_rec else 0
+
+
+def logits_bytes(c, B, T, a, compiled):
+    """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
+    n = B * T * c.vocab_size
+    if compiled:
+        return a * n, a * n
+    return (a + FP32) * n, 2 * FP32 * n
+
+
+# ----------------------------------------------------------------------------- the plan
+
+def parameter_counts(c):
+    """(all parameters, root-unit parameters, one block's, one block's Linear weights, the head's)."""
+    with torch.device("meta"):
+        model = GPT(c)
+    total = model.num_params()
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    block_matrices = sum(m.weight.numel() for m in model.blocks[0].modules() if isinstance(m, torch.nn.Linear))
+    return total, total - c.n_layer * block, block, block_matrices, model.lm_head.weight.numel()
+
+
+def memory_plan(config, *, micro_batch, seq_len, world=1, parallel="ddp", activation_checkpointing="none",
+                activation_checkpointing_every=2, autocast=True, device_type="cuda", compiled=False, grad_accum=1):
+    """{"terms": {name: bytes}, "peak": bytes, "settings": {...}}: the estimate of one rank's peak
+    (module docstring). `autocast`: bf16 autocast (train.dtype bf16, or auto on CUDA)."""
+    B, T, c = micro_batch, seq_len, config
+    cpu = device_type != "cuda"
+    a = 2 if autocast else FP32
+    total, root, block, block_matrices, head_matrix = parameter_counts(c)
+    kept_blocks = c.n_layer - recomputed_blocks(c.n_layer, activation_checkpointing, activation_checkpointing_every)
+    fsdp = parallel == "fsdp" and world > 1
+    resident = total / world + root + 2 * block if fsdp else total
+    activations, recompute = activation_bytes(c, B, T, a, cpu, compiled, activation_checkpointing,
+                                              activation_checkpointing_every)
+    logits_saved, logits_grads = logits_bytes(c, B, T, a, compiled)
+    terms = {
+        "params": FP32 * resident,
+        "grads": FP32 * resident,
+        "optimizer": 2 * FP32 * (total / world if fsdp else total),
+        "ddp_buckets": FP32 * total if world > 1 and not fsdp else 0,
+        "weight_copies": 2 * (head_matrix + kept_blocks * block_matrices) if autocast else 0,
+        "activations": activations,
+        "logits_saved": logits_saved,
+        "logits_grads": logits_grads,
+        "recompute": recompute,
+        "context": 0 if cpu else CUDA_CONTEXT_BYTES,
+    }
+    grads_held = terms["grads"] if grad_accum > 1 else 0
+    backward_start = (grads_held + terms["weight_copies"] + activations + logits_saved
+                      + max(logits_grads, recompute))
+    peak = (terms["context"] + terms["params"] + terms["optimizer"] + terms["ddp_buckets"]
+            + max(backward_start, terms["grads"]))
+    settings = dict(micro_batch=B, seq_len=T, world=world, parallel=parallel if world > 1 else "single",
+                    activation_checkpointing=activation_checkpointing, autocast=autocast, compiled=compiled)
+    return {"terms": terms, "peak": peak, "settings": settings}
+
+
+def describe(plan, capacity=None):
+    """One line: the plan's terms in GiB and its peak (of the device's capacity when known)."""
+    t, s = plan["terms"], plan["settings"]
+    g = {k: f"{v / GiB:.2f}" for k, v in t.items()}
+    line = (f"memory plan per GPU: params {g['params']} GiB, grads {g['grads']}, optimizer {g['optimizer']}"
+            + (f", DDP buckets {g['ddp_buckets']}" if t["ddp_buckets"] else "")
+            + (f", bf16 weight copies {g['weight_copies']}" if t["weight_copies"] else "")
+            + f", activations {g['activations']} ({s['micro_batch']} x {s['seq_len']}, checkpointing "
+            f"{s['activation_checkpointing']}), logits {(t['logits_saved'] + t['logits_grads']) / GiB:.2f}"
+            + (f", context {g['context']}" if t["context"] else "")
+            + f", total {plan['peak'] / GiB:.2f}")
+    return line + (f" of {capacity / GiB:.2f} GiB" if capacity else " GiB")
+
+
+def check_fits(plan, capacity, mode="error"):
+    """Raise MemoryPlanError (mode error) or return a warning line (warn) when the plan's peak exceeds
+    `capacity` bytes; None when it fits or mode is off."""
+    if mode == "off" or plan["peak"] <= capacity:
+        return None
+    s = plan["settings"]
+    advice = [f"lower train.micro_batch_size (now {s['micro_batch']}; keep the batch with train.global_batch_tokens)"]
+    if s["activation_checkpointing"] != "full":
+        advice.append(f"set train.activation_checkpointing={'selective or full' if s['activation_checkpointing'] == 'none' else 'full'}")
+    if s["parallel"] != "fsdp":
+        advice.append("shard parameters and optimizer over several GPUs with train.parallel=fsdp (torchrun)")
+    message = (f"the memory plan needs {plan['peak'] / GiB:.1f} GiB per GPU but the device has "
+               f"{capacity / GiB:.1f} GiB ({describe(plan, capacity)}); " + "; ".join(advice)
+               + "; or train.memory_check=warn to start anyway")
+    if mode == "error":
+        raise MemoryPlanError(message)
+    return "warning: " + message
