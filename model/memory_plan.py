@@ -7,10 +7,12 @@
 
 Every term is bytes per rank (`plan["terms"]`). The peak of a step comes at the start of the
 backward, when every saved activation is still held and the loss's vocabulary-wide gradients are
-made, or in the optimizer step, when every gradient exists:
+made; or, with activation checkpointing, when the first block is recomputed, with (almost) every
+gradient made; or in the optimizer step, when every gradient exists:
 
     peak = context + params + optimizer + ddp_buckets
-           + max(grads_held + weight_copies + activations + logits_saved + max(logits_grads, recompute),
+           + max(grads_held + weight_copies + activations + logits_saved + logits_grads,
+                 grads + weight_copies + activations + recompute      (only if a block recomputes),
                  grads)
 
 params       the fp32 parameters: all of them under DDP (and one process); under FSDP2 (train.parallel=fsdp)
@@ -31,7 +33,7 @@ logits_saved the (B, T, V) logits in the autocast dtype (the caller holds them) 
              log-softmax (eager; compiled, a fused loss keeps only the logits and a log-sum-exp).
 logits_grads the loss's backward: the fp32 gradient of the log-softmax and of its input, alive together
              (eager); compiled, one fused gradient in the autocast dtype.
-recompute    during the backward one recomputed block's activations are live again (if any recomputes).
+recompute    a recomputed block's activations, live again in the backward (one block at a time).
 context      CUDA context, cuBLAS / cuDNN workspaces and allocator slack: a fixed allowance (CPU: 0).
 
 Per-block saved tensors are counted from what the code keeps (model/gpt.py, kernels/castle, kernels/
@@ -211,10 +213,11 @@ def memory_plan(config, *, micro_batch, seq_len, world=1, parallel="ddp", activa
         "context": 0 if cpu else CUDA_CONTEXT_BYTES,
     }
     grads_held = terms["grads"] if grad_accum > 1 else 0
-    backward_start = (grads_held + terms["weight_copies"] + activations + logits_saved
-                      + max(logits_grads, recompute))
+    kept = terms["weight_copies"] + activations
+    backward_start = grads_held + kept + logits_saved + logits_grads
+    last_recompute = terms["grads"] + kept + recompute if recompute else 0
     peak = (terms["context"] + terms["params"] + terms["optimizer"] + terms["ddp_buckets"]
-            + max(backward_start, terms["grads"]))
+            + max(backward_start, last_recompute, terms["grads"]))
     settings = dict(micro_batch=B, seq_len=T, world=world, parallel=parallel if world > 1 else "single",
                     activation_checkpointing=activation_checkpointing, autocast=autocast, compiled=compiled)
     return {"terms": terms, "peak": peak, "settings": settings}
