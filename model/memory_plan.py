@@ -151,19 +151,33 @@ def block_bytes_per_token(c, T, a, cpu, compiled):
             + mlp_bytes(c, a, compiled))
 
 
-def recomputed_blocks(n_layer, mode, every):
-    """How many blocks GPT.checkpoint_activations recomputes."""
-    return {"none": 0, "full": n_layer, "selective": math.ceil(n_layer / every)}[mode]
+def recomputes(n_layer, mode, every):
+    """Which blocks GPT.checkpoint_activations recomputes (full: all; selective: 0, k, 2k, ...)."""
+    return [mode == "full" or (mode == "selective" and i % every == 0) for i in range(n_layer)]
 
 
-def activation_bytes(c, B, T, a, cpu, compiled, mode, every):
-    """(activations kept after the forward, one recomputed block's activations) in bytes."""
-    block = block_bytes_per_token(c, T, a, cpu, compiled) * B * T
-    n_rec = recomputed_blocks(c.n_layer, mode, every)
-    d = c.n_embd
-    head = (FP32 * d + norm_bytes(c, cpu) + a * d + 8) * B * T   # final norm, lm_head input, token ids
-    kept = (c.n_layer - n_rec) * block + n_rec * FP32 * d * B * T + head
-    return kept, block if n_rec else 0
+def head_bytes_per_token(c, a, cpu):
+    """The final norm's and the head's saved inputs, and the token ids the embedding keeps."""
+    return FP32 * c.n_embd + norm_bytes(c, cpu) + a * c.n_embd + 8
+
+
+def backward_transient_per_token(c, a):
+    """Gradients alive inside one block's backward besides its saved tensors: the residual stream's
+    (fp32), one hidden-width gradient of the MLP, and the attention projections' gradients twice (per
+    q, k, v ... and joined into the fused projection's)."""
+    projections = (6 if c.attention.startswith("castle") else 3) * c.n_head * c.head_dim
+    return FP32 * c.n_embd + a * mlp_hidden_size(c) + 2 * a * projections
+
+
+def last_recompute_bytes(flags, kept_block, block_input, recompute, grads):
+    """The most held while a recomputed block runs again in the backward (blocks go last to first):
+    the blocks before it still hold what they keep, the blocks after it have made their gradients."""
+    n, worst, before = len(flags), 0, 0
+    for j, recomputed in enumerate(flags):
+        if recomputed:
+            worst = max(worst, before + recompute + grads * (n - j) / n)
+        before += block_input if recomputed else kept_block
+    return worst
 
 
 def logits_bytes(c, B, T, a, compiled):
@@ -194,18 +208,23 @@ def memory_plan(config, *, micro_batch, seq_len, world=1, parallel="ddp", activa
     cpu = device_type != "cuda"
     a = 2 if autocast else FP32
     total, root, block, block_matrices, head_matrix = parameter_counts(c)
-    kept_blocks = c.n_layer - recomputed_blocks(c.n_layer, activation_checkpointing, activation_checkpointing_every)
     fsdp = parallel == "fsdp" and world > 1
     resident = total / world + root + 2 * block if fsdp else total
-    activations, recompute = activation_bytes(c, B, T, a, cpu, compiled, activation_checkpointing,
-                                              activation_checkpointing_every)
+    flags = recomputes(c.n_layer, activation_checkpointing, activation_checkpointing_every)
+    tokens = B * T
+    saved_block = block_bytes_per_token(c, T, a, cpu, compiled) * tokens
+    block_copies = 2 * block_matrices if autocast else 0
+    block_input = FP32 * c.n_embd * tokens
+    activations = (sum(block_input if f else saved_block for f in flags)
+                   + head_bytes_per_token(c, a, cpu) * tokens)
+    recompute = (saved_block + block_copies + backward_transient_per_token(c, a) * tokens) if any(flags) else 0
     logits_saved, logits_grads = logits_bytes(c, B, T, a, compiled)
     terms = {
         "params": FP32 * resident,
         "grads": FP32 * resident,
         "optimizer": 2 * FP32 * (total / world if fsdp else total),
         "ddp_buckets": FP32 * total if world > 1 and not fsdp else 0,
-        "weight_copies": 2 * (head_matrix + kept_blocks * block_matrices) if autocast else 0,
+        "weight_copies": (2 * head_matrix if autocast else 0) + block_copies * flags.count(False),
         "activations": activations,
         "logits_saved": logits_saved,
         "logits_grads": logits_grads,
@@ -215,7 +234,7 @@ def memory_plan(config, *, micro_batch, seq_len, world=1, parallel="ddp", activa
     grads_held = terms["grads"] if grad_accum > 1 else 0
     kept = terms["weight_copies"] + activations
     backward_start = grads_held + kept + logits_saved + logits_grads
-    last_recompute = terms["grads"] + kept + recompute if recompute else 0
+    last_recompute = last_recompute_bytes(flags, saved_block + block_copies, block_input, recompute, terms["grads"])
     peak = (terms["context"] + terms["params"] + terms["optimizer"] + terms["ddp_buckets"]
             + max(backward_start, last_recompute, terms["grads"]))
     settings = dict(micro_batch=B, seq_len=T, world=world, parallel=parallel if world > 1 else "single",
