@@ -406,6 +406,7 @@ def train(cfg, overrides, model_group):
     dist_info = Dist(cfg.train.device)
     out_dir = cfg.train.out_dir
     with locked_run_dir(out_dir) if dist_info.master else contextlib.nullcontext():
+        dist_info.check_shared_dir(out_dir, "train.out_dir")
         run(cfg, overrides, model_group, dist_info, out_dir)
 
 
