@@ -32,7 +32,7 @@ activations  what autograd keeps from the forward for the backward, per token (b
 logits_saved the (B, T, V) logits in the autocast dtype (the caller holds them) and cross_entropy's fp32
              log-softmax (eager; compiled, a fused loss keeps only the logits and a log-sum-exp).
 logits_grads the loss's backward: the fp32 gradient of the log-softmax and of its input, alive together
-             (eager); compiled, one fused gradient in the autocast dtype.
+             (eager); compiled, one fp32 gradient (the fused loss backward).
 recompute    a recomputed block's activations, live again in the backward (one block at a time).
 context      CUDA context, cuBLAS / cuDNN workspaces and allocator slack: a fixed allowance (CPU: 0).
 
@@ -184,7 +184,7 @@ def logits_bytes(c, B, T, a, compiled):
     """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
     n = B * T * c.vocab_size
     if compiled:
-        return a * n, a * n
+        return a * n, FP32 * n
     return (a + FP32) * n, 2 * FP32 * n
 
 
