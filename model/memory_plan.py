@@ -7,12 +7,12 @@
 
 Every term is bytes per rank (`plan["terms"]`). The peak of a step comes at the start of the
 backward, when every saved activation is still held and the loss's vocabulary-wide gradients are
-made; or, with activation checkpointing, when the first block is recomputed, with (almost) every
-gradient made; or in the optimizer step, when every gradient exists:
+made; or, with activation checkpointing, while a block is recomputed in the backward, with the
+gradients of the blocks after it made; or in the optimizer step, when every gradient exists:
 
     peak = context + params + optimizer + ddp_buckets
            + max(grads_held + weight_copies + activations + logits_saved + logits_grads,
-                 grads + weight_copies + activations + recompute      (only if a block recomputes),
+                 max over recomputed blocks j of (what blocks < j keep + recompute + grads * (n - j) / n),
                  grads)
 
 params       the fp32 parameters: all of them under DDP (and one process); under FSDP2 (train.parallel=fsdp)
@@ -33,7 +33,9 @@ logits_saved the (B, T, V) logits in the autocast dtype (the caller holds them) 
              log-softmax (eager; compiled, a fused loss keeps only the logits and a log-sum-exp).
 logits_grads the loss's backward: the fp32 gradient of the log-softmax and of its input, alive together
              (eager); compiled, one fp32 gradient (the fused loss backward).
-recompute    a recomputed block's activations, live again in the backward (one block at a time).
+recompute    a recomputed block's activations and bf16 weight copies, live again in its backward (one block
+             at a time), plus the gradients that backward holds besides them: the residual stream's (fp32),
+             one MLP-hidden-wide one, and the attention projections' twice (per q, k, v and joined).
 context      CUDA context, cuBLAS / cuDNN workspaces and allocator slack: a fixed allowance (CPU: 0).
 
 Per-block saved tensors are counted from what the code keeps (model/gpt.py, kernels/castle, kernels/
@@ -46,8 +48,6 @@ MLP's hidden activations (SwiGLU: gate, SiLU(gate), up, product; compiled, SiLU(
 The count is of eager PyTorch; compiled graphs keep the same tensors except the pointwise ones torch.compile
 recomputes (named above). `scripts/bench_memory.py` prints each estimate next to the measured peak.
 """
-import math
-
 import torch
 
 from model.gpt import GPT, mlp_hidden_size
