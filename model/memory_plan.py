@@ -87,23 +87,20 @@ def head_norm_bytes(i, H, a, cpu):
 def softmax_attention_bytes(c, T, a, cpu):
     """SoftmaxAttention (baseline, FoX; LLaMA or Pro block) per token, beyond its input."""
     i, H = c.n_head * c.head_dim, c.n_head
-    new_qk = c.pos == "rope" or c.qk_norm
-    reference = cpu and c.attention == "fox"   # keeps its own copies of q, k, v, not the projection's tensors
-    if reference and not (c.qk_norm or c.kv_shift):
-        new_qk = False                                    # nothing else keeps the projection or rotated q, k
-    total = 0 if reference and not (c.qk_norm or c.kv_shift) else 3 * a * i   # qkv projection (v a view of it)
-    if c.kv_shift:                                        # eq (17), (19): alpha fp32, the shifted k, v
-        total += 2 * FP32 * H + 2 * (FP32 * i + (FP32 * i if a != FP32 else 0)) + 2 * a * i
-        total += a * i if new_qk else 0                   # q
-    elif new_qk:
-        total += 2 * a * i
+    fox_reference = cpu and c.attention == "fox"      # keeps its own copies of q, k, v (below)
+    total = 0
+    if not fox_reference or c.qk_norm or c.kv_shift:
+        # the qkv projection (SDPA and the Triton kernels keep v, a view of it; QK-norm and KV-shift their
+        # inputs), and the q, k, v an op made anew: RoPE and QK-norm (q, k), KV-shift (k, v)
+        new_q, new_k = c.pos == "rope" or c.qk_norm, c.pos == "rope" or c.qk_norm or c.kv_shift
+        total += 3 * a * i + (new_q + new_k + bool(c.kv_shift)) * a * i
+    if c.kv_shift:                                        # eqs (17), (19): alpha, the shifted k, v in fp32
+        total += 2 * FP32 * H + 2 * (FP32 * i + (FP32 * i if a != FP32 else 0))
     if c.qk_norm:
-        total += 2 * head_norm_bytes(i, H, a, cpu)
-    if c.pos == "rope" and c.qk_norm:
-        total += 2 * a * i                                # rope after the norm: new q, k again
+        total += 2 * head_norm_bytes(i, H, a, cpu) + (2 * a * i if c.pos == "rope" else 0)   # then RoPE again
     if c.attention == "fox":
         total += 2 * FP32 * H                             # gate logits and log f, fp32
-        if reference:      # fp32 probabilities (+ their bf16 copy for p @ v), copies of q, k, v, the output
+        if fox_reference:  # fp32 probabilities (+ their bf16 copy for p @ v), copies of q, k, v, the output
             total += (FP32 + (a if a != FP32 else 0)) * H * T + (3 + (a != FP32)) * a * i
         else:                                             # Triton: c offsets, output, lse
             total += 2 * FP32 * H + a * i
