@@ -156,8 +156,8 @@ def timed_row(name, mode, recomputed, batch, eager_peak, args, device):
     gib = f"{eager_peak / 2**30:.2f}" if eager_peak else "-"
     row = f"| {name} | {mode} | {recomputed}/{config.n_layer} | {T} | {batch} | {gib} |"
     if batch == 0:
-        return row + " - | - | - | - | - | - | - | - |"
-    row += versus_plan(eager_peak, planned_bytes(config, T, batch, mode, args, device, compiled=False))
+        return row + " - |" * 7
+    eager_vs_plan = versus_plan(eager_peak, planned_bytes(config, T, batch, mode, args, device, compiled=False))
     torch._dynamo.reset()
     timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
     bench = None
@@ -169,11 +169,11 @@ def timed_row(name, mode, recomputed, batch, eager_peak, args, device):
     planned = planned_bytes(config, T, batch, mode, args, device, compiled=args.compile)
     if bench is None:
         torch.cuda.empty_cache()
-        return row + " does not fit compiled | - | - |" + versus_plan(None, planned)
+        return row + " does not fit compiled | - | - |" + eager_vs_plan + versus_plan(None, planned)
     tok_s = bench["tok_s"][-1]
     mfu = f"{bench['model'].flops_per_token(T) * tok_s / args.peak_flops:.1%}" if device.type == "cuda" else "-"
     peak = f"{bench['peak_GiB']:.2f}" if "peak_GiB" in bench else "-"
-    return (row + f" {tok_s:,.0f} | {mfu} | {peak} |"
+    return (row + f" {tok_s:,.0f} | {mfu} | {peak} |" + eager_vs_plan
             + versus_plan(bench["peak_GiB"] * 2**30 if "peak_GiB" in bench else None, planned))
 
 
@@ -227,8 +227,8 @@ def main():
                 torch.cuda.empty_cache()
             timed = "compiled" if args.compile else "eager"
             print("\n| model | activation checkpointing | blocks recomputed | context | micro-batch | "
-                  "peak GiB (eager) | plan GiB (eager) | plan / peak | tokens/s | MFU | "
-                  f"peak GiB (timed, {timed}) | plan GiB ({timed}) | plan / peak |\n" + "|---" * 13 + "|",
+                  f"peak GiB (eager) | tokens/s | MFU | peak GiB (timed, {timed}) | plan GiB (eager) | "
+                  f"plan / peak (eager) | plan GiB ({timed}) | plan / peak ({timed}) |\n" + "|---" * 13 + "|",
                   flush=True)
             for mode, (recomputed, batch, peak) in found.items():
                 print(timed_row(model, mode, recomputed, batch, peak, args, device), flush=True)
