@@ -34,6 +34,8 @@ VARIANTS = {
     "llama_bias_untied": ("llama", ["model.bias=true", "model.tie_embeddings=false"]),
     "gpt2_no_bias_untied": ("gpt2", ["model.bias=false", "model.tie_embeddings=false"]),
     "castle_rope_qkv": ("castle", ["model.castle_rope=qkv"]),
+    "castle_no_causal_keys": ("castle", ["model.castle_causal_keys=false"]),
+    "castle_swl_no_silu": ("castle_swl", ["model.castle_window=5", "model.castle_silu=false"]),
     "fox_pro_per_head_qk_norm": ("fox_pro", ["model.qk_norm_shared=false"]),
     "fox_llama_bias_only": ("fox_llama", ["model.fgate=bias_only"]),
     "fox_pro_fixed": ("fox_pro", ["model.fgate=fixed", "model.fgate_tmin=2", "model.fgate_tmax=64"]),
