@@ -43,13 +43,15 @@ forgetting): the fp32 residual input and the residual after attention (4 d each)
 rstd (and on CPU, where F.rms_norm is composite, also x * rstd), each Linear's input in the autocast
 dtype (under autocast one cast per Linear that reads it; compiled, one), the projections' outputs, the
 rotated / normalized / shifted q, k, v, the attention core's own saves (SDPA and the Triton kernels:
-output + log-sum-exp; the CPU references of FoX and CASTLE: their L x L probability matrices), and the
+output + log-sum-exp; the CPU references of FoX, sliding-window attention and CASTLE: their L x L
+probability matrices), and the
 MLP's hidden activations (SwiGLU: gate, SiLU(gate), up, product; compiled, SiLU(gate) is recomputed).
 The count is of eager PyTorch; compiled graphs keep the same tensors except the pointwise ones torch.compile
 recomputes (named above). `scripts/bench_memory.py` prints each estimate next to the measured peak.
 """
 import torch
 
+from kernels.triton_utils import padded_head_dim
 from model.gpt import GPT, mlp_hidden_size
 
 GiB = 2 ** 30
@@ -85,11 +87,12 @@ def head_norm_bytes(i, H, a, cpu):
 
 
 def softmax_attention_bytes(c, T, a, cpu):
-    """SoftmaxAttention (baseline, FoX; LLaMA or Pro block) per token, beyond its input."""
+    """SoftmaxAttention (baseline, FoX, sliding-window; LLaMA or Pro block) per token, beyond its input."""
     i, H = c.n_head * c.head_dim, c.n_head
-    fox_reference = cpu and c.attention == "fox"      # keeps its own copies of q, k, v (below)
+    forgetting_kernels = c.attention == "fox" or c.attention_window is not None   # else SDPA
+    reference = cpu and forgetting_kernels            # the materialized reference keeps copies of q, k, v
     total = 0
-    if not fox_reference or c.qk_norm or c.kv_shift:
+    if not reference or c.qk_norm or c.kv_shift:
         # the qkv projection (SDPA and the Triton kernels keep v, a view of it; QK-norm and KV-shift their
         # inputs), and the q, k, v an op made anew: RoPE and QK-norm (q, k), KV-shift (k, v)
         new_q, new_k = c.pos == "rope" or c.qk_norm, c.pos == "rope" or c.qk_norm or c.kv_shift
@@ -98,15 +101,16 @@ def softmax_attention_bytes(c, T, a, cpu):
         total += 2 * FP32 * H + 2 * (FP32 * i + (FP32 * i if a != FP32 else 0))
     if c.qk_norm:
         total += 2 * head_norm_bytes(i, H, a, cpu) + (2 * a * i if c.pos == "rope" else 0)   # then RoPE again
-    if c.attention == "fox":
-        total += 2 * FP32 * H                             # gate logits and log f, fp32
-        if fox_reference:  # fp32 probabilities (+ their bf16 copy for p @ v), copies of q, k, v, the output
-            total += (FP32 + (a if a != FP32 else 0)) * H * T + (3 + (a != FP32)) * a * i
-        else:                                             # Triton: c offsets, output, lse
-            total += 2 * FP32 * H + a * i
-    else:
-        total += FP32 * H + (0 if cpu and a == FP32 else a * i)   # SDPA: lse, output (+ the merged copy)
-    total += a * i                                        # the output projection's input
+    if c.attention == "fox":                              # gate logits and log f (fp32); Triton: c offsets
+        total += 2 * FP32 * H + (0 if cpu else FP32 * H)
+    if reference:          # fp32 probabilities (+ their bf16 copy for p @ v), copies of q, k, v, the output
+        total += (FP32 + (a if a != FP32 else 0)) * H * T + (3 + (a != FP32)) * a * i
+    elif forgetting_kernels:   # Triton: output and lse on tiles padded to a power-of-two head dim (and
+        padded = H * padded_head_dim(c.head_dim)          # q, k, v copied when the head dim is padded)
+        total += a * padded + FP32 * H + (3 * a * padded if padded != i else 0)
+    else:     # SDPA: lse; its output is laid out (B, T, H, D), so merging the heads is a view of it, except
+        total += FP32 * H + (a * i if cpu and a != FP32 else 0)   # on CPU under autocast (a merged copy)
+    total += a * i                                        # the output projection's input (merged heads)
     if c.output_norm:
         total += head_norm_bytes(i, H, a, cpu)
     if c.output_gate:
@@ -115,14 +119,15 @@ def softmax_attention_bytes(c, T, a, cpu):
 
 
 def castle_attention_bytes(c, T, a, cpu):
-    """CastleAttention per token, beyond its input: six projections, rotated copies, the core."""
+    """CastleAttention per token, beyond its input: the projections, rotated copies, the core."""
     i, H = c.n_head * c.head_dim, c.n_head
-    if cpu:        # attn_parallel: sigmoid(Qu Ku^T), A_U, R, S^U, softmax: five L x L per head, its seven
-        return 5 * a * H * T + (8 + (a != FP32)) * a * i   # operand copies, the merged output
-    rotated = {"causal": 2, "qk": 4, "qkv": 5}[c.castle_rope]
-    # Triton: the six projections (views of one output) and the rotated ones, output, log-sum-exp (the
+    n_proj = 6 if c.castle_causal_keys else 5             # without causal keys no k^C
+    if cpu:        # attn_parallel: sigmoid(Qu Ku^T), A_U, R, S^U, softmax: five L x L per head, its operand
+        return 5 * a * H * T + (n_proj + 2 + (a != FP32)) * a * i   # copies, the merged output
+    rotated = {"causal": 2, "qk": 4, "qkv": 5}[c.castle_rope] - (not c.castle_causal_keys)
+    # Triton: the projections (views of one output) and the rotated ones, output, log-sum-exp (the
     # default "stored" backward keeps no U), the output projection's input (merged heads)
-    return 6 * a * i + rotated * a * i + a * i + FP32 * H + a * i
+    return n_proj * a * i + rotated * a * i + a * i + FP32 * H + a * i
 
 
 def mlp_bytes(c, a, compiled):

@@ -22,6 +22,8 @@ VARIANTS = {
     "transformer_pro": dict(qk_norm=True, kv_shift=True, output_gate=True, output_norm=True, pos="none"),
     "castle": dict(attention="castle"),
     "castle_swl": dict(attention="castle_swl", castle_window=8),
+    "castle_no_causal_keys": dict(attention="castle", castle_causal_keys=False, castle_silu=False),
+    "transformer_swa": dict(attention_window=16),
     "gpt2_block": dict(mlp="gelu", pos="learned", norm="layernorm"),
 }
 MODES = ("none", "selective", "full")
