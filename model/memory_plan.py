@@ -47,7 +47,10 @@ output + log-sum-exp; the CPU references of FoX, sliding-window attention and CA
 probability matrices), and the
 MLP's hidden activations (SwiGLU: gate, SiLU(gate), up, product; compiled, SiLU(gate) is recomputed).
 The count is of eager PyTorch; compiled graphs keep the same tensors except the pointwise ones torch.compile
-recomputes (named above). `scripts/bench_memory.py` prints each estimate next to the measured peak.
+recomputes (named above). tests/test_memory_plan.py checks the count against the CPU allocator (eager,
+fp32 and bf16 autocast, every variant and checkpointing mode); `scripts/bench_memory.py` prints each
+estimate next to the peak measured on a GPU. Not counted: a compiled fp32 loss keeps one more fp32
+(B, T, V) tensor than the compiled bf16 one (inductor's choice; fp32 runs are rarely compiled).
 """
 import torch
 
