@@ -269,7 +269,8 @@ def check_fits(plan, capacity, mode="error"):
     s = plan["settings"]
     advice = [f"lower train.micro_batch_size (now {s['micro_batch']}; keep the batch with train.global_batch_tokens)"]
     if s["activation_checkpointing"] != "full":
-        advice.append(f"set train.activation_checkpointing={'selective or full' if s['activation_checkpointing'] == 'none' else 'full'}")
+        lighter = "selective or full" if s["activation_checkpointing"] == "none" else "full"
+        advice.append(f"set train.activation_checkpointing={lighter}")
     if s["parallel"] != "fsdp":
         advice.append("shard parameters and optimizer over several GPUs with train.parallel=fsdp (torchrun)")
     message = (f"the memory plan needs {plan['peak'] / GiB:.1f} GiB per GPU but the device has "
