@@ -43,6 +43,7 @@ from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkp
                               load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
                               remove_stale_temp_files, save_checkpoint, saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OPTIONS, GPT, GPTConfig
+from model.memory_plan import MEMORY_CHECKS, check_fits, describe, memory_plan
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
                            entry_point, integer, number, one_of, optional, pair, text)
 
@@ -55,7 +56,7 @@ OPTIONS = {
     "train.device": DEVICE, "train.dtype": one_of("auto", "bf16", "fp32"), "train.compile": one_of("auto", True, False),
     "train.sdpa_backend": one_of("auto", *SDPA_BACKENDS), "train.parallel": one_of("ddp", "fsdp"),
     "train.activation_checkpointing": one_of(*ACTIVATION_CHECKPOINTING),
-    "train.activation_checkpointing_every": integer(1),
+    "train.activation_checkpointing_every": integer(1), "train.memory_check": one_of(*MEMORY_CHECKS),
     "train.seed": integer(0), "train.log_interval": integer(1), "train.eval_interval": integer(1),
     "train.eval_tokens": integer(1), "train.ckpt_interval": integer(1), "train.keep_last": integer(1),
     "train.ckpt_format": one_of("full", "dcp"), "train.ckpt_async": one_of(True, False),
@@ -122,6 +123,28 @@ def grad_accum_steps(cfg, world):
         raise ValueError(f"train.global_batch_tokens={cfg.train.global_batch_tokens} is not a multiple of "
                          f"micro_batch_size * seq_len * world_size = {per_micro}; change one of them")
     return cfg.train.global_batch_tokens // per_micro
+
+
+def compiles(cfg, device):
+    return cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
+
+
+def check_memory_plan(cfg, model_config, dist_info, accum):
+    """Print the estimated per-GPU peak (rank 0); on CUDA refuse (train.memory_check=error) or warn
+    when it exceeds the device's memory, before anything is allocated."""
+    device = dist_info.device
+    plan = memory_plan(model_config, micro_batch=cfg.train.micro_batch_size, seq_len=cfg.train.seq_len,
+                       world=dist_info.world, parallel=cfg.train.parallel,
+                       activation_checkpointing=cfg.train.activation_checkpointing,
+                       activation_checkpointing_every=cfg.train.activation_checkpointing_every,
+                       autocast=choose_dtype(cfg.train.dtype, device) == torch.bfloat16, device_type=device.type,
+                       compiled=compiles(cfg, device), grad_accum=accum)
+    capacity = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
+    if dist_info.master:
+        print(describe(plan, capacity))
+    warning = check_fits(plan, capacity, cfg.train.memory_check) if capacity else None
+    if warning and dist_info.master:
+        print(warning)
 
 
 class StopRequest:
@@ -385,6 +408,12 @@ def realised_mix(loader):
     return {"data_mix": {name: n / total for name, n in counts.items()}} if len(counts) > 1 and total else {}
 
 
+def duration(seconds):
+    """3725.2 -> '1:02:05'"""
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
 def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
     """Final lines of a run, and loss.png in the run dir."""
     plot = plot_runs([out_dir], os.path.join(out_dir, "loss.png"))
@@ -405,6 +434,7 @@ def train(cfg, overrides, model_group):
     dist_info = Dist(cfg.train.device)
     out_dir = cfg.train.out_dir
     with locked_run_dir(out_dir) if dist_info.master else contextlib.nullcontext():
+        dist_info.check_shared_dir(out_dir, "train.out_dir")
         run(cfg, overrides, model_group, dist_info, out_dir)
 
 
@@ -423,6 +453,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     model_config = build_model_config(cfg)
     if ckpt:
         check_same_model(ckpt, model_config, resume_file, overrides)
+    check_memory_plan(cfg, model_config, dist_info, accum)
     raw_model = GPT(model_config).to(device)
     recomputed = raw_model.checkpoint_activations(cfg.train.activation_checkpointing,
                                                   cfg.train.activation_checkpointing_every)
@@ -452,8 +483,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
               + (f" with its {' and '.join(taken)} settings" if taken else ""))
     metrics = Metrics(cfg, out_dir, wandb_id) if dist_info.master else None
 
-    use_compile = cfg.train.compile is True or (cfg.train.compile == "auto" and device.type == "cuda")
-    model = torch.compile(raw_model) if use_compile else raw_model
+    model = torch.compile(raw_model) if compiles(cfg, device) else raw_model
     if dist_info.world > 1 and not fsdp:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = autocast_context(device, choose_dtype(cfg.train.dtype, device))
@@ -563,7 +593,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                 tok_s = tokens_per_step / dt
                 record = {"step": step, "loss": sum(losses) / len(losses), "lr": lr,
                           "grad_norm": grad_norm.item(), "tokens": step * tokens_per_step,
-                          "tok_per_s": tok_s}
+                          "tok_per_s": tok_s, "eta_s": (cfg.train.max_steps - step) * tokens_per_step / tok_s}
                 if device.type == "cuda":
                     record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
                 record.update(realised_mix(loader))
@@ -571,7 +601,8 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                 summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
                 if dist_info.master:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
-                                    **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}))
+                                    **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),
+                                    eta=duration(record["eta_s"]))
                     metrics.log(record)
             if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
                 val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))

@@ -61,11 +61,13 @@ def autocast_context(device, dtype):
 
 class Dist:
     """Rank, world size and device of this process; a process group when launched by torchrun
-    (NCCL on GPUs, gloo on CPU; one GPU per local rank)."""
+    (NCCL on GPUs, gloo on CPU; one GPU per local rank). `rank` and `world` are global (over every
+    node), the device is chosen by the local rank (LOCAL_RANK: the rank within this node)."""
 
     def __init__(self, device_cfg="auto"):
         self.world = int(os.environ.get("WORLD_SIZE", 1))
         self.rank = int(os.environ.get("RANK", 0))
+        self.local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
         self.device = choose_device(device_cfg, int(os.environ.get("LOCAL_RANK", 0)))
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
@@ -88,6 +90,27 @@ class Dist:
         t = torch.tensor([float(flag)], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item() > 0
+
+    def check_shared_dir(self, path, option):
+        """With several nodes, every rank must see the files rank 0 writes in `path` (it writes the
+        checkpoints, and every rank reads one to resume): rank 0 writes a marker there and every
+        rank looks for it. A directory local to each node raises a ValueError on every rank."""
+        if self.world == 1 or self.local_world == self.world:
+            return
+        token = torch.tensor([int.from_bytes(os.urandom(7), "big") if self.master else 0], device=self.device)
+        dist.all_reduce(token)                   # rank 0's token on every rank
+        marker = os.path.join(path, f".shared-check-{token.item()}")
+        if self.master:
+            with open(marker, "w"):
+                pass
+        dist.barrier()
+        missing = self.any(not os.path.exists(marker))
+        if self.master:
+            os.remove(marker)
+        if missing:
+            raise ValueError(f"{option}={path} is not the same directory on every node: rank 0 writes the "
+                             "checkpoints there and every rank reads one to resume. Put it on a filesystem "
+                             "all nodes share (NFS, Lustre, ...) under the same path")
 
     def close(self):
         if self.world > 1 and dist.is_initialized():

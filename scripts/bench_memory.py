@@ -17,6 +17,12 @@ and the step's own allocations (the profiler's allocation records) must peak wit
 assumes that what fits at a micro-batch fits at every smaller one. Then every mode is compiled and
 timed at its micro-batch (scripts.bench_train's step); a compiled step that does not fit there is
 reported as such. Rows print as soon as measured.
+
+Every measured peak stands next to the memory plan's estimate for the same step (model/memory_plan.py,
+which train.py prints and checks before its first step), without its fixed CUDA-context allowance since
+the measured peak is the allocator's (max_memory_allocated), and their ratio: "plan / peak" within
+0.85 - 1.15 is the plan's target. The eager search compares with the plan of an eager step, the timed
+compiled step with the plan of a compiled one.
 """
 import argparse
 import sys
@@ -27,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from kernels.sdpa import prefer_sdpa_backend
 from model.gpt import ACTIVATION_CHECKPOINTING, GPT
+from model.memory_plan import memory_plan
 from scripts.bench_train import model_config, prepare, time_steps
 
 
@@ -104,6 +111,21 @@ class EagerProbe:
             torch.cuda.empty_cache()
 
 
+def planned_bytes(config, T, batch, mode, args, device, compiled):
+    """The memory plan's peak for one step of this model, less its CUDA-context allowance."""
+    plan = memory_plan(config, micro_batch=batch, seq_len=T, activation_checkpointing=mode,
+                       activation_checkpointing_every=args.activation_checkpointing_every,
+                       autocast=device.type == "cuda", device_type=device.type, compiled=compiled)
+    return plan["peak"] - plan["terms"]["context"]
+
+
+def versus_plan(measured, planned):
+    """'plan GiB | plan / peak |' cells."""
+    if not measured:
+        return f" {planned / 2**30:.2f} | - |"
+    return f" {planned / 2**30:.2f} | {planned / measured:.2f} |"
+
+
 def search(name, args, device, limit_bytes):
     """{mode: (blocks recomputed, micro-batch, peak bytes at it)} for every mode of args.modes, from one eager model."""
     probe = EagerProbe(name, args, device)
@@ -116,11 +138,15 @@ def search(name, args, device, limit_bytes):
             peaks[batch] = probe.peak(batch)
             return peaks[batch] is not None and peaks[batch] <= limit_bytes
 
+        if args.batch:
+            fits(args.batch)
         batch = args.batch or largest_fitting(fits, args.max_batch)
         found[mode] = (recomputed, batch, peaks.get(batch))
+        planned = planned_bytes(probe.config, probe.T, max(batch, 1), mode, args, device, compiled=False)
         print(f"{name}: activation checkpointing {mode}: micro-batch {batch}"
               + (" (given)" if args.batch else f" of <= {args.max_batch} fits, eager")
-              + (f", peak {peaks[batch] / 2**30:.2f} GiB" if peaks.get(batch) else ""), flush=True)
+              + (f", peak {peaks[batch] / 2**30:.2f} GiB, plan {planned / 2**30:.2f} GiB "
+                 f"({planned / peaks[batch]:.2f}x)" if peaks.get(batch) else ""), flush=True)
     return found
 
 
@@ -130,7 +156,8 @@ def timed_row(name, mode, recomputed, batch, eager_peak, args, device):
     gib = f"{eager_peak / 2**30:.2f}" if eager_peak else "-"
     row = f"| {name} | {mode} | {recomputed}/{config.n_layer} | {T} | {batch} | {gib} |"
     if batch == 0:
-        return row + " - | - | - |"
+        return row + " - |" * 7
+    eager_vs_plan = versus_plan(eager_peak, planned_bytes(config, T, batch, mode, args, device, compiled=False))
     torch._dynamo.reset()
     timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
     bench = None
@@ -139,13 +166,15 @@ def timed_row(name, mode, recomputed, batch, eager_peak, args, device):
         time_steps(bench, timing, device)
     except torch.OutOfMemoryError:
         bench = None
+    planned = planned_bytes(config, T, batch, mode, args, device, compiled=args.compile)
     if bench is None:
         torch.cuda.empty_cache()
-        return row + " does not fit compiled | - | - |"
+        return row + " does not fit compiled | - | - |" + eager_vs_plan + versus_plan(None, planned)
     tok_s = bench["tok_s"][-1]
     mfu = f"{bench['model'].flops_per_token(T) * tok_s / args.peak_flops:.1%}" if device.type == "cuda" else "-"
     peak = f"{bench['peak_GiB']:.2f}" if "peak_GiB" in bench else "-"
-    return row + f" {tok_s:,.0f} | {mfu} | {peak} |"
+    return (row + f" {tok_s:,.0f} | {mfu} | {peak} |" + eager_vs_plan
+            + versus_plan(bench["peak_GiB"] * 2**30 if "peak_GiB" in bench else None, planned))
 
 
 def main():
@@ -157,7 +186,8 @@ def main():
     p.add_argument("--memory-gib", type=float, default=None,
                    help="memory a step may use (CUDA default: the whole card; required on CPU)")
     p.add_argument("--max-batch", type=int, default=256, help="the search's largest micro-batch")
-    p.add_argument("--batch", type=int, default=None, help="no search: time every mode at this micro-batch")
+    p.add_argument("--batch", type=int, default=None,
+                   help="no search: measure and time every mode at this micro-batch")
     p.add_argument("--override", nargs="*", default=[], help="Hydra overrides for every model")
     p.add_argument("--seq-len", type=int, default=None, help="override the experiment's context")
     p.add_argument("--steps", type=int, default=5, help="timed steps per mode")
@@ -195,8 +225,10 @@ def main():
             found = search(model, args, device, limit)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            timed = "compiled" if args.compile else "eager"
             print("\n| model | activation checkpointing | blocks recomputed | context | micro-batch | "
-                  "peak GiB (eager) | tokens/s | MFU | peak GiB (timed) |\n|---|---|---|---|---|---|---|---|---|",
+                  f"peak GiB (eager) | tokens/s | MFU | peak GiB (timed, {timed}) | plan GiB (eager) | "
+                  f"plan / peak (eager) | plan GiB ({timed}) | plan / peak ({timed}) |\n" + "|---" * 13 + "|",
                   flush=True)
             for mode, (recomputed, batch, peak) in found.items():
                 print(timed_row(model, mode, recomputed, batch, peak, args, device), flush=True)
