@@ -32,7 +32,10 @@ activations  what autograd keeps from the forward for the backward, per token (b
 logits_saved the (B, T, V) logits in the autocast dtype (the caller holds them) and cross_entropy's fp32
              log-softmax (eager; compiled, a fused loss keeps only the logits and a log-sum-exp).
 logits_grads the loss's backward: the fp32 gradient of the log-softmax and of its input, alive together
-             (eager); compiled, one fp32 gradient (the fused loss backward).
+             (eager); compiled, one fp32 gradient (the fused loss backward). With model.fused_loss
+             (kernels/fused) no (B, T, V) tensor exists: logits_saved is the gradients the loss computes in
+             its forward (dx, B T d in the autocast dtype; dW, V d in fp32), logits_grads one chunk's fp32
+             logits and probabilities and its gradient (chunked) while they are made.
 recompute    a recomputed block's activations and bf16 weight copies, live again in its backward (one block
              at a time), plus the gradients that backward holds besides them: the residual stream's (fp32),
              one MLP-hidden-wide one, and the attention projections' twice (per q, k, v and joined).
@@ -54,6 +57,7 @@ estimate next to the peak measured on a GPU. Not counted: a compiled fp32 loss k
 """
 import torch
 
+from kernels.fused.cross_entropy import DEFAULT_CHUNK
 from kernels.triton_utils import padded_head_dim
 from model.gpt import GPT, mlp_hidden_size
 
@@ -187,6 +191,9 @@ def last_recompute_bytes(flags, kept_block, block_input, recompute, grads):
 
 def logits_bytes(c, B, T, a, compiled):
     """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
+    if c.fused_loss != "none":
+        chunk = min(B * T, DEFAULT_CHUNK) * c.vocab_size
+        return a * B * T * c.n_embd + FP32 * c.vocab_size * c.n_embd, (2 * FP32 + a) * chunk
     n = B * T * c.vocab_size
     if compiled:
         return a * n, FP32 * n
