@@ -962,14 +962,19 @@ def test_gpu_ablation_triton_bf16(L, D, window, causal_keys, silu):
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
 def test_gpu_ablation_decode_kernel_matches_torch_ops(causal_keys, silu):
-    """The fused decode step of the ablations against the PyTorch-op step on the same caches (bf16, 3000
-    cached positions, SWL W = 700)."""
+    """The fused decode step of the ablations and the PyTorch-op step on the same caches, both against the
+    fp64 parallel form (bf16, 3000 cached positions, SWL W = 700). Without SiLU the logits s^C - s^U are
+    unbounded and the bf16 rounding of the cached U moves either step by a few percent, so the kernel is
+    held to the PyTorch ops' own distance from fp64."""
     xs = ablated(inputs(2, 9, 3010, 64, torch.bfloat16, device="cuda"), causal_keys)
+    ref = castle_attn(*_double(xs), window=700, silu=silu, impl="torch")[..., 3000:, :]
     caches = [castle_prefill(*[x if x is None else x[..., :3000, :] for x in xs], window=700, silu=silu)[1]
               for _ in range(2)]
+    kernel, torch_ops = [], []
     for t in range(3000, 3010):
         one = [x if x is None else x[..., t:t + 1, :] for x in xs]
-        o_kernel, _ = castle_decode(caches[0], *one, impl="triton")
-        o_torch, _ = castle_decode(caches[1], *one, impl="torch")
-        assert rel(o_kernel, o_torch) < 1e-2
+        kernel.append(castle_decode(caches[0], *one, impl="triton")[0])
+        torch_ops.append(castle_decode(caches[1], *one, impl="torch")[0])
+    err_kernel, err_torch = rel(torch.cat(kernel, -2), ref), rel(torch.cat(torch_ops, -2), ref)
+    assert err_kernel < max(1e-2, 1.25 * err_torch), (err_kernel, err_torch)
     assert rel(caches[0].u, caches[1].u) < 1e-3

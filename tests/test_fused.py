@@ -42,7 +42,7 @@ def grads_of(fn, inputs, *cotangents):
     return [o.detach() for o in out], [t.grad for t in inputs]
 
 
-def targets_with_ignored(n, vocab, used_vocab=None, device="cpu"):
+def targets_with_ignored(n, vocab, used_vocab=None, device=None):
     """Targets in [0, used_vocab) (the tokenizer's ids of a padded vocabulary), about one in four ignored (-1)."""
     targets = torch.randint(0, used_vocab or vocab, (n,), device=device)
     return torch.where(torch.rand(n, device=device) < 0.25, -1, targets)
