@@ -25,6 +25,8 @@ from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefi
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
 from kernels.sdpa import decode_sdpa
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias, tree_decode
+from model.recurrent import LAYERS as RECURRENT_LAYERS
+from model.recurrent import RECURRENT_ATTENTIONS, check_widths
 
 
 @dataclass
@@ -39,7 +41,7 @@ class GPTConfig:
     bias: bool = False
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d)
+    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d) | "none" (no MLP sub-layer: Mamba-2)
     mlp_ratio: float = 4.0           # hidden = ratio * d (gelu) or 2/3 * ratio * d (swiglu: 8/3 d at 4)
     mlp_hidden: int | None = None    # None: derived from mlp_ratio, rounded up to `mlp_multiple_of`
     mlp_multiple_of: int = 1         # 1 keeps 8/3 d unrounded (CASTLE paper); LLaMA/FoX use 256
@@ -65,6 +67,9 @@ class GPTConfig:
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
     output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
+    # Recurrent baselines (FoX arXiv:2503.02130 §4.1; model/recurrent.py): attention=mamba2|hgrn2|deltanet|gated_deltanet
+    ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
+    gdn_expand_v: float = 2.0           # Gated DeltaNet's value width / key width (attention=gated_deltanet)
 
     def __post_init__(self):
         if self.castle_match_heads:       # applied once: the saved config then holds the real count
@@ -86,6 +91,7 @@ class GPTConfig:
         if self.castle_rope not in ("causal", "qk", "qkv"):
             raise ValueError(f"model.castle_rope={self.castle_rope!r}; choose causal, qk or qkv")
         self._check_forget_gate()
+        self._check_recurrent()
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
                              f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
@@ -106,6 +112,24 @@ class GPTConfig:
         if tmin is not None and self.fgate_bias_init != 0:
             raise ValueError(f"model.fgate_bias_init={self.fgate_bias_init} and model.fgate_tmin/fgate_tmax both "
                              "set the forget-gate bias at init; set one of them")
+
+    def _check_recurrent(self):
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, variant in (("ssm_state_size", "mamba2"), ("gdn_expand_v", "gated_deltanet")):
+            if getattr(self, name) != defaults[name] and self.attention != variant:
+                raise ValueError(f"model.{name}={getattr(self, name)} only applies to attention={variant} "
+                                 f"(model={variant}), not attention={self.attention}")
+        if self.attention not in RECURRENT_ATTENTIONS:
+            return
+        if self.pos != "none":
+            raise ValueError(f"model.pos={self.pos!r} with the recurrent attention={self.attention}: its recurrence "
+                             "orders the positions; set model.pos=none (as model=" + self.attention + " does)")
+        changed = [f"model.{k}={getattr(self, k)}" for k in ("qk_norm", "qk_norm_shared", "kv_shift", "output_gate",
+                   "output_norm", "castle_window", "castle_rope") if getattr(self, k) != defaults[k]]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} only apply to softmax/forgetting attention or CASTLE, not to "
+                             f"the recurrent attention={self.attention}; drop them")
+        check_widths(self)
 
     @classmethod
     def from_dict(cls, d):
@@ -173,7 +197,7 @@ class GeluMLP(nn.Module):
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 
-MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
+MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP, "none": None}
 
 
 # ----------------------------------------------------------------------------- positions
@@ -517,12 +541,14 @@ class CastleAttention(nn.Module):
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
+for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
+    register_attention(_name)(_layer)
 
 
 # ----------------------------------------------------------------------------- model
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) (no MLP sub-layer with mlp=none).
 
     With `recompute` (GPT.checkpoint_activations) a forward that records gradients keeps only the
     block's input and runs the block again in the backward (activation checkpointing). Non-reentrant
@@ -534,8 +560,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm_attn = make_norm(config)
         self.attn = ATTENTIONS[config.attention](config)
-        self.norm_mlp = make_norm(config)
-        self.mlp = MLPS[config.mlp](config)
+        has_mlp = MLPS[config.mlp] is not None
+        self.norm_mlp = make_norm(config) if has_mlp else None
+        self.mlp = MLPS[config.mlp](config) if has_mlp else None
         self.recompute = False
 
     def forward(self, x, rope, cache=None):
@@ -545,7 +572,7 @@ class Block(nn.Module):
 
     def residual_layers(self, x, rope, cache=None):
         x = x + self.attn(self.norm_attn(x), rope, cache)
-        return x + self.mlp(self.norm_mlp(x))
+        return x if self.mlp is None else x + self.mlp(self.norm_mlp(x))
 
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")   # by the memory they save
