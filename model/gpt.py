@@ -699,6 +699,7 @@ class GPT(nn.Module):
         norms = (RMSNorm, HeadRMSNorm, nn.LayerNorm)
         no_decay = {id(p) for m in self.modules() if isinstance(m, norms) for p in m.parameters()}
         no_decay |= {id(p) for name, p in self.named_parameters() if name.endswith("bias")}
+        no_decay |= {id(p) for m in self.modules() if hasattr(m, "no_decay_params") for p in m.no_decay_params()}
         params = [p for p in self.parameters() if p.requires_grad]
         return [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
                 {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}]

@@ -139,6 +139,23 @@ class RecurrentCache:
         self.length = 0
 
 
+def match_fla_init_and_decay(layer, std):
+    """What GPT._init_weights and GPT.param_groups do not know of an fla layer, set as FLA's models do
+    (PreTrainedModel._init_weights): its convolutions N(0, std) with zero bias (GPT._init_weights draws the
+    Linear weights alike); and its norm scales, like A_log, D and dt_bias already, marked `_no_weight_decay`."""
+    from fla.modules import FusedRMSNormGated, RMSNorm
+    from fla.modules.layernorm_gated import RMSNormGated
+
+    for module in layer.modules():
+        if isinstance(module, nn.Conv1d):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        if isinstance(module, (RMSNorm, FusedRMSNormGated, RMSNormGated)):
+            for p in module.parameters():
+                p._no_weight_decay = True
+
+
 class RecurrentLayer(nn.Module):
     """An fla layer in the place of attention: forward(x, rope, cache) -> y, (B, T, n_embd) both ways.
     Positions come from the recurrence itself: `rope` is unused (GPTConfig requires pos=none)."""
@@ -149,6 +166,9 @@ class RecurrentLayer(nn.Module):
         self.layer = BUILDERS[config.attention](config)
         out = self.layer.out_proj if config.attention == "mamba2" else self.layer.o_proj
         out.residual_proj = True          # GPT._init_weights: FLA's rescaled residual init (rescale_prenorm_residual)
+        match_fla_init_and_decay(self.layer, config.init_std)
+        # by name: FSDP2 replaces the parameter objects, and with them the marks
+        self._no_decay = {n for n, p in self.layer.named_parameters() if getattr(p, "_no_weight_decay", False)}
         self._recurrence_flops = recurrence_flops(config)
         if interpreting():
             take_first_autotune_config()
@@ -169,6 +189,10 @@ class RecurrentLayer(nn.Module):
         """T positions continuing the cached state (the first call: a prompt from its start)."""
         fla_kernels_ready(x, self.attention)
         return self.layer(x, past_key_values=cache.state, use_cache=True)[0]
+
+    def no_decay_params(self):
+        """The parameters FLA trains without weight decay (GPT.param_groups): A_log, D, dt_bias, norm scales."""
+        return [p for n, p in self.layer.named_parameters() if n in self._no_decay]
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         if group is not None:

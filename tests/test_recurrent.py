@@ -26,9 +26,14 @@ VARIANTS = {
     "deltanet": dict(attention="deltanet", n_head=2),
     "gated_deltanet": dict(attention="gated_deltanet", n_head=2, head_dim=8),
 }
-# what runs on CPU (the interpreter); gated_deltanet only on a GPU
-CPU_VARIANTS = [pytest.param(n, marks=pytest.mark.slow if n == "deltanet" else ()) for n in
-                ("mamba2", "hgrn2", "deltanet")] + [pytest.param("gated_deltanet", marks=pytest.mark.gpu)]
+
+
+def variants(fast=("mamba2", "hgrn2")):
+    """The variants as test parameters: gated_deltanet on a GPU only (its chunk kernel fails in the
+    interpreter), those not in `fast` in the full suite only (seconds each in the interpreter)."""
+    def marks(name):
+        return pytest.mark.gpu if name == "gated_deltanet" else () if name in fast else pytest.mark.slow
+    return [pytest.param(name, marks=marks(name)) for name in VARIANTS]
 
 
 def tiny(name, **kw):
@@ -39,7 +44,7 @@ def device():
     return "cuda" if CUDA else "cpu"
 
 
-@pytest.mark.parametrize("name", CPU_VARIANTS)
+@pytest.mark.parametrize("name", variants())
 def test_training_step_is_finite_and_every_weight_gets_a_gradient(name):
     model = GPT(tiny(name)).to(device())
     idx = torch.randint(0, 97, (2, 23), device=device())
@@ -50,7 +55,7 @@ def test_training_step_is_finite_and_every_weight_gets_a_gradient(name):
     assert not no_grad, f"no gradient reached {no_grad}"
 
 
-@pytest.mark.parametrize("name", CPU_VARIANTS)
+@pytest.mark.parametrize("name", variants())
 def test_cached_decoding_equals_the_uncached_forward(name):
     """A prompt, a 3-token chunk, then single tokens through the recurrent state == one uncached pass."""
     model = GPT(tiny(name)).to(device()).eval()
@@ -63,7 +68,7 @@ def test_cached_decoding_equals_the_uncached_forward(name):
     assert cache.pos == 13 and all(layer.length == 13 for layer in cache.layers)
 
 
-@pytest.mark.parametrize("name", CPU_VARIANTS)
+@pytest.mark.parametrize("name", variants(fast=("mamba2",)))
 def test_generation_with_the_cache_equals_generation_without(name):
     model = GPT(tiny(name)).to(device()).eval()
     prompt = torch.randint(0, 97, (2, 5), device=device())
@@ -77,13 +82,12 @@ def mamba2_layer(seed_model):
 
 def test_mamba2_scan_equals_fla_mamba2_forward_outputs_states_and_gradients():
     """mamba2_scan (fla's simple-GLA scan on the Mamba-2 layer's parameters) against the fla Mamba2 layer's
-    own forward: output, the cached conv and SSM states, and the input and weight gradients (T = 37 pads
-    fla's chunks)."""
+    own forward: output, the cached conv and SSM states, and the input and weight gradients."""
     layer = mamba2_layer(GPT(tiny("mamba2")))
     with torch.no_grad():
         layer.A_log.uniform_(-1, 2)            # fresh decay rates and skip weights, not the init's
         layer.D.normal_()
-    x = torch.randn(2, 37, 32, requires_grad=True)
+    x = torch.randn(2, 21, 32, requires_grad=True)
     ref, ref_conv, ref_ssm = layer.torch_forward(x, use_cache=True)
     y, conv, ssm = mamba2_scan(layer, x, keep_state=True)
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
@@ -132,6 +136,25 @@ def test_sharded_decoding_refuses_recurrent_models(name):
 def test_options_that_do_not_apply_refuse(name, bad, match):
     with pytest.raises(ValueError, match=match):
         tiny(name, **bad)
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_fla_init_and_weight_decay(name):
+    """As FLA's models: convolutions N(0, 0.02) with zero bias, no weight decay on A_log, D, dt_bias and norm scales,
+    output projections scaled for the residual stream; every parameter in exactly one AdamW group."""
+    model = GPT(tiny(name, n_embd=64, n_head=VARIANTS[name]["n_head"] * 2))
+    layer = model.blocks[0].attn.layer
+    for conv in (m for m in layer.modules() if isinstance(m, torch.nn.Conv1d)):
+        assert abs(conv.weight.std().item() - 0.02) < 0.005 and (conv.bias is None or not conv.bias.any())
+    decay, no_decay = model.param_groups(0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    skipped = {names[id(p)].split("attn.layer.")[-1] for p in no_decay["params"] if "attn.layer." in names[id(p)]}
+    expected = {"mamba2": {"A_log", "D", "dt_bias", "conv1d.bias", "norm.weight"}, "hgrn2": {"g_norm.weight"},
+                "deltanet": {"o_norm.weight"}, "gated_deltanet": {"A_log", "dt_bias", "o_norm.weight"}}[name]
+    assert skipped == expected
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+    out = layer.out_proj if name == "mamba2" else layer.o_proj
+    assert abs(out.weight.std().item() - 0.02 / (2 * model.config.n_layer) ** 0.5) < 0.003
 
 
 def test_ssm_state_size_reaches_the_mamba2_layer():
