@@ -13,7 +13,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from model.checkpoint import load_model
 from model.gpt import GPT, GPTConfig
+from model.hf.convert import checkpoint_dict, export_hf
 from model.recurrent import mamba2_scan
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -112,6 +114,20 @@ def test_recurrent_layers_need_a_gpu_or_the_interpreter_except_mamba2(monkeypatc
         torch.testing.assert_close(mamba(idx)[0], interpreted, atol=2e-5, rtol=1e-4)
         with pytest.raises(RuntimeError, match="attention=hgrn2 runs the Triton kernels of fla: it needs a CUDA GPU"):
             hgrn(idx)
+
+
+def test_a_saved_checkpoint_loads_back_to_the_same_logits_and_hf_export_refuses(tmp_path):
+    model = GPT(tiny("mamba2", tokenizer_vocab_size=97)).eval()
+    with torch.no_grad():
+        model.blocks[1].attn.layer.A_log.normal_()          # not the values a fresh model draws
+    torch.save(checkpoint_dict(model.config, model.state_dict(), {}), tmp_path / "ckpt_1.pt")
+    loaded, _, _, _ = load_model(tmp_path, device="cpu", dtype="fp32")
+    idx = torch.randint(0, 97, (1, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx)[0], model(idx)[0], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="attention=mamba2 .* has no Hugging Face export"):
+        export_hf(tmp_path, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("name", VARIANTS)
