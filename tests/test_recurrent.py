@@ -20,13 +20,15 @@ from model.recurrent import mamba2_scan
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CUDA = torch.cuda.is_available()
+# fp32 on a GPU: fla's Triton matmuls take TF32 (fla.utils.hardware), its chunked and step kernels round apart
+TOL = dict(atol=2e-3, rtol=2e-3) if CUDA else dict(atol=2e-5, rtol=1e-4)
 
 TINY = dict(vocab_size=97, block_size=64, n_layer=2, n_embd=32, pos="none", tie_embeddings=False)
 VARIANTS = {
     "mamba2": dict(attention="mamba2", mlp="none", n_head=4, head_dim=16, ssm_state_size=16),
     "hgrn2": dict(attention="hgrn2", n_head=2, head_dim=16),
     "deltanet": dict(attention="deltanet", n_head=2),
-    "gated_deltanet": dict(attention="gated_deltanet", n_head=2, head_dim=8),
+    "gated_deltanet": dict(attention="gated_deltanet", n_head=2, head_dim=16),
 }
 
 
@@ -66,7 +68,7 @@ def test_cached_decoding_equals_the_uncached_forward(name):
         full, _ = model(idx)
         cache = model.new_cache(2, idx.size(1))
         pieces = [model(piece, cache=cache)[0] for piece in idx.split([7, 3, 1, 1, 1], dim=1)]
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, **TOL)
     assert cache.pos == 13 and all(layer.length == 13 for layer in cache.layers)
 
 
@@ -147,7 +149,7 @@ def test_sharded_decoding_refuses_recurrent_models(name):
     ("mamba2", dict(gdn_expand_v=1.0), "model.gdn_expand_v=1.0 only applies to attention=gated_deltanet"),
     ("mamba2", dict(n_head=3), "attention=mamba2: model.n_head x model.head_dim = 48 .* multiple of model.n_embd=32"),
     ("hgrn2", dict(head_dim=8), "attention=hgrn2: model.n_head x model.head_dim = 2 x 8 must equal model.n_embd=32"),
-    ("gated_deltanet", dict(gdn_expand_v=0.3), "head_dim x model.gdn_expand_v = 8 x 0.3 must be a whole number"),
+    ("gated_deltanet", dict(gdn_expand_v=0.3), "head_dim x model.gdn_expand_v = 16 x 0.3 must be a whole number"),
 ])
 def test_options_that_do_not_apply_refuse(name, bad, match):
     with pytest.raises(ValueError, match=match):
