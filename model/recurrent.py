@@ -113,15 +113,14 @@ def build_gated_deltanet(config):
 
 
 # Forward FLOPs per token of one layer's recurrence, from its recurrent form (FoX, arXiv:2503.02130 App. B.2,
-# Table 6: 20 d_model d_state for Mamba-2, 5 d_model d_head for HGRN2, 6 d_model d_head for DeltaNet; Gated
-# DeltaNet counted as DeltaNet over its value width).
+# Table 6: 20 d_model d_state for Mamba-2, 5 d_model d_head for HGRN2, 6 d_model d_head for DeltaNet, i.e.
+# 6 x heads x key width x value width, which Gated DeltaNet's value heads of gdn_expand_v x head_dim also take).
 def recurrence_flops(config):
-    d = config.n_embd
-    return {"mamba2": 20 * d * config.ssm_state_size,
-            "hgrn2": 5 * d * config.head_dim,
-            "deltanet": 6 * d * (d // config.n_head),
-            "gated_deltanet": 6 * config.n_head * config.head_dim * config.gdn_expand_v * config.head_dim}[
-        config.attention]
+    d, h, dh = config.n_embd, config.n_head, config.head_dim
+    return int({"mamba2": 20 * d * config.ssm_state_size,
+                "hgrn2": 5 * d * dh,
+                "deltanet": 6 * d * dh,
+                "gated_deltanet": 6 * h * dh * dh * config.gdn_expand_v}[config.attention])
 
 
 # ----------------------------------------------------------------------------- the adapter and its cache

@@ -175,6 +175,16 @@ def test_fla_init_and_weight_decay(name):
     assert abs(out.weight.std().item() - 0.02 / (2 * model.config.n_layer) ** 0.5) < 0.003
 
 
+@pytest.mark.parametrize("name, per_layer", [("mamba2", 20 * 32 * 16), ("hgrn2", 5 * 32 * 16),
+                                             ("deltanet", 6 * 32 * 16), ("gated_deltanet", 6 * 2 * 16 * 32)])
+def test_flops_count_the_recurrence_of_fox_table_6(name, per_layer):
+    """6N + each layer's recurrent-form FLOPs (forward; x3 with the backward), independent of the context."""
+    with torch.device("meta"):
+        model = GPT(tiny(name))
+    n = model.num_params() - model.wte.weight.numel()       # the untied input embedding is a lookup
+    assert model.flops_per_token(4096) == model.flops_per_token(16) == 6 * n + 2 * 3 * per_layer
+
+
 def test_ssm_state_size_reaches_the_mamba2_layer():
     layer = mamba2_layer(GPT(tiny("mamba2", ssm_state_size=8)))
     assert layer.ssm_state_size == 8 and layer.num_heads == 4 and layer.intermediate_size == 64
