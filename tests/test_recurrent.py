@@ -80,6 +80,22 @@ def test_generation_with_the_cache_equals_generation_without(name):
     assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False))
 
 
+@pytest.mark.parametrize("name", variants())
+def test_the_model_is_llama_blocks_around_direct_calls_of_the_fla_layer(name):
+    """Logits == embedding, then per block x + layer(norm(x)) with the fla layer called directly (no MLP sub-layer
+    for Mamba-2), final norm, head."""
+    model = GPT(tiny(name)).to(device()).eval()
+    idx = torch.randint(0, 97, (2, 11), device=device())
+    with torch.no_grad():
+        x = model.wte(idx)
+        for block in model.blocks:
+            x = x + block.attn.layer(block.norm_attn(x))[0]
+            if name != "mamba2":
+                x = x + block.mlp(block.norm_mlp(x))
+        torch.testing.assert_close(model(idx)[0], model.lm_head(model.norm_f(x)), **TOL)
+    assert (model.blocks[0].mlp is None) == (name == "mamba2")
+
+
 def mamba2_layer(seed_model):
     return seed_model.blocks[0].attn.layer
 
