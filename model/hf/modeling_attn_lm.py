@@ -38,7 +38,7 @@ MODEL_DEFAULTS = dict(
     mlp_multiple_of=1, pos="rope", rope_theta=10000.0, attention="baseline", dropout=0.0, init_std=0.02,
     scaled_residual_init=True, castle_window=None, castle_rope="qk", castle_match_heads=False,
     fgate="data_dependent", fgate_bias_init=0.0, fgate_tmin=None, fgate_tmax=None, qk_norm=False,
-    qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False)
+    qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False, ssm_state_size=128, gdn_expand_v=2.0)
 
 
 class AttnLMConfig(PretrainedConfig):
