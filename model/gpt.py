@@ -41,7 +41,7 @@ class GPTConfig:
     bias: bool = False
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d) | "none" (no MLP sub-layer: Mamba-2)
+    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d) | "none" (no MLP: Mamba-2)
     mlp_ratio: float = 4.0           # hidden = ratio * d (gelu) or 2/3 * ratio * d (swiglu: 8/3 d at 4)
     mlp_hidden: int | None = None    # None: derived from mlp_ratio, rounded up to `mlp_multiple_of`
     mlp_multiple_of: int = 1         # 1 keeps 8/3 d unrounded (CASTLE paper); LLaMA/FoX use 256
@@ -67,7 +67,8 @@ class GPTConfig:
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
     output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
-    # Recurrent baselines (FoX arXiv:2503.02130 §4.1; model/recurrent.py): attention=mamba2|hgrn2|deltanet|gated_deltanet
+    # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
+    # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
     gdn_expand_v: float = 2.0           # Gated DeltaNet's value width / key width (attention=gated_deltanet)
 
