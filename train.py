@@ -38,10 +38,11 @@ from evaluation.heldout import mean_loss
 from evaluation.plots import plot_runs
 from evaluation.samples import stream_text
 from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
-from model.checkpoint import (archive_earlier_run, archive_newer_checkpoints, atomic_write, checkpoint_files,
-                              config_dict, load_checkpoint, locked_run_dir, model_from_checkpoint,
+from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkpoints, atomic_write,
+                              checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
+                              load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
                               remove_stale_temp_files, save_checkpoint, saved_model_config)
-from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OPTIONS, GPT, GPTConfig
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
                            entry_point, integer, number, one_of, optional, pair, text)
 
@@ -57,6 +58,7 @@ OPTIONS = {
     "train.activation_checkpointing_every": integer(1),
     "train.seed": integer(0), "train.log_interval": integer(1), "train.eval_interval": integer(1),
     "train.eval_tokens": integer(1), "train.ckpt_interval": integer(1), "train.keep_last": integer(1),
+    "train.ckpt_format": one_of("full", "dcp"), "train.ckpt_async": one_of(True, False),
     "train.sample_tokens": integer(0), "train.peak_flops": number(above=0),
     "train.wandb.mode": one_of("disabled", "offline", "online"), "train.wandb.project": text(),
     "train.wandb.name": optional(text()),
@@ -87,8 +89,11 @@ def check_train_options(cfg):
         raise ValueError(f"train.device={cfg.train.device} but no CUDA device is visible; use train.device=auto or cpu")
     resume = cfg.train.resume
     if resume not in ("auto", "never") and not os.path.exists(resume):
-        raise FileNotFoundError(f"train.resume={resume} does not exist; use auto, never, a run directory "
-                                "or a ckpt_<step>.pt file")
+        raise FileNotFoundError(f"train.resume={resume} does not exist; use auto, never, a run directory, "
+                                "a ckpt_<step>.pt file or a ckpt_<step>.dcp directory")
+    if cfg.train.ckpt_async and cfg.train.ckpt_format != "dcp":
+        raise ValueError("train.ckpt_async=true needs train.ckpt_format=dcp (a full checkpoint is written by "
+                         "rank 0 in one piece); set train.ckpt_format=dcp or train.ckpt_async=false")
 
 
 def build_model_config(cfg):
@@ -209,13 +214,31 @@ def full_training_state(raw_model, optimizer):
             get_optimizer_state_dict(raw_model, optimizer, options=FULL_STATE))
 
 
+def sharded_training_state(raw_model, optimizer):
+    """{"model", "optimizer"}: this rank's state dicts (FSDP: its shards as DTensors; DDP or one
+    process: full tensors, which DCP writes once, spread over the ranks), keyed by parameter names."""
+    return {"model": get_model_state_dict(raw_model), "optimizer": get_optimizer_state_dict(raw_model, optimizer)}
+
+
+def load_dcp_training_state(raw_model, optimizer, path):
+    """Model and optimizer state of a DCP checkpoint directory, each rank reading the parts of its
+    shards; DCP reshards, so the run may have another world size or parallelism than the writer."""
+    state = sharded_training_state(raw_model, optimizer)
+    load_dcp_state(path, state)
+    set_model_state_dict(raw_model, state["model"])
+    set_optimizer_state_dict(raw_model, optimizer, state["optimizer"])
+
+
 def load_training_state(raw_model, optimizer, loader, ckpt):
     """Weights, optimizer, loader position and RNG states of a checkpoint; one without training state
     (weights only, e.g. imported by scripts.import_hf) starts the optimizer, data and RNGs afresh."""
     options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(raw_model, ckpt["model"], options=options)
-    if ckpt.get("optimizer") is not None:
-        set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
+    if "dcp" in ckpt:
+        load_dcp_training_state(raw_model, optimizer, ckpt["dcp"])
+    else:
+        set_model_state_dict(raw_model, ckpt["model"], options=options)
+        if ckpt.get("optimizer") is not None:
+            set_optimizer_state_dict(raw_model, optimizer, ckpt["optimizer"], options=options)
     if ckpt.get("loader") is not None:
         loader.load_state_dict(ckpt["loader"])
     if ckpt.get("rng") is not None:
@@ -226,23 +249,28 @@ def same_path(a, b):
     return os.path.realpath(a) == os.path.realpath(b)
 
 
+def parent_dir(path):
+    """The directory holding a checkpoint file or DCP directory (`runs/x/ckpt_4.dcp/` -> runs/x)."""
+    return os.path.dirname(os.path.normpath(path)) or "."
+
+
 def resume_checkpoint(cfg):
     """(file, checkpoint) to resume from, or (None, None) for a fresh run; refuses a fresh run in a
     directory that holds checkpoints unless train.if_exists=archive."""
     out_dir, resume = cfg.train.out_dir, cfg.train.resume
     in_out_dir = resume == "auto" or same_path(resume, out_dir) or (
-        os.path.isfile(resume) and same_path(os.path.dirname(resume) or ".", out_dir))
+        is_checkpoint(resume) and same_path(parent_dir(resume), out_dir))
     if in_out_dir:
         if resume == "auto" and not checkpoint_files(out_dir):
             return None, None
-        return load_checkpoint(out_dir if resume == "auto" else resume)
+        return load_checkpoint(out_dir if resume == "auto" else resume, dcp_parts=())
     existing = checkpoint_files(out_dir)
     if existing and cfg.train.if_exists != "archive":
         names = ", ".join(os.path.basename(f) for f in existing)
         raise ValueError(f"train.out_dir={out_dir} holds checkpoints of an earlier run ({names}) and "
                          f"train.resume={resume} starts a new one there; continue it with train.resume=auto, "
                          "use another train.out_dir, or move its files into archive/ with train.if_exists=archive")
-    return (None, None) if resume == "never" else load_checkpoint(resume)
+    return (None, None) if resume == "never" else load_checkpoint(resume, dcp_parts=())
 
 
 def override_keys(overrides):
@@ -277,7 +305,7 @@ def check_same_model(ckpt, model_config, file, overrides):
     GPTConfig, so fields older checkpoints lack compare at their defaults)."""
     saved = config_dict(GPTConfig.from_dict(saved_model_config(ckpt)))
     diff = [f"{k}={saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in config_dict(model_config).items()
-            if saved.get(k) != v]
+            if saved.get(k) != v and k not in FUSED_OPTIONS]   # kernels may change on resume
     if diff:
         chosen = [o for o, k in zip(overrides, override_keys(overrides))
                   if k.split(".")[0] in SECTION_GROUPS["model"]]
@@ -411,7 +439,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         step, wandb_id = ckpt["step"], ckpt.get("wandb_id")
         del ckpt
     # the checkpoint already in out_dir for this step, if the run resumes from one there
-    last_ckpt = resume_file if resume_file and same_path(os.path.dirname(resume_file) or ".", out_dir) else None
+    last_ckpt = resume_file if resume_file and same_path(parent_dir(resume_file), out_dir) else None
 
     if dist_info.master:
         prepare_run_dir(cfg, out_dir, step, resumed_here=last_ckpt is not None)
@@ -434,18 +462,57 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     flops_per_step = raw_model.flops_per_token(T) * tokens_per_step
     saved_step = step if last_ckpt else None
 
+    # a DCP save written by a thread (train.ckpt_async) runs on a process group of its own
+    async_group = dist.new_group(backend="gloo") if cfg.train.ckpt_async and dist_info.world > 1 else None
+    pending = None          # the DCP save in flight: (DcpSave, seconds training waited for it, its start)
+
     def checkpoint(at_step):
-        nonlocal last_ckpt, saved_step
+        """Every rank. The loader's state is the global stream position, the same on every rank, and
+        the RNG states are seeded alike: rank 0's stand for all (as in the full format)."""
+        nonlocal last_ckpt, saved_step, pending
         saved_step = at_step
-        model_state, optim_state = full_training_state(raw_model, optimizer)
-        if dist_info.master:
-            contents = {"model": model_state, "model_config": config_dict(raw_model.config),
-                        "optimizer": optim_state, "loader": loader.state_dict(), "rng": rng_state(),
-                        "config": OmegaConf.to_container(cfg, resolve=True), "model_group": model_group,
-                        "wandb_id": metrics.wandb_id}
-            last_ckpt = save_checkpoint(out_dir, at_step, contents, cfg.train.keep_last)
+        finish_checkpoint()                  # one save at a time
+        start = time.perf_counter()
+        contents = {"model_config": config_dict(raw_model.config), "loader": loader.state_dict(),
+                    "rng": rng_state(), "config": OmegaConf.to_container(cfg, resolve=True),
+                    "model_group": model_group, "wandb_id": metrics.wandb_id} if dist_info.master else None
+        if cfg.train.ckpt_format == "full":
+            model_state, optim_state = full_training_state(raw_model, optimizer)
+            if dist_info.master:
+                path = save_checkpoint(out_dir, at_step, {"model": model_state, "optimizer": optim_state,
+                                                          **contents}, cfg.train.keep_last)
+                log_checkpoint(path, time.perf_counter() - start)
+        else:
+            save = DcpSave(out_dir, at_step, contents, cfg.train.keep_last, dist_info.master)
+            save.write(sharded_training_state(raw_model, optimizer), cfg.train.ckpt_async, async_group)
+            pending = (save, time.perf_counter() - start, start)
+            if not cfg.train.ckpt_async:
+                finish_checkpoint()
         if dist_info.world > 1:
             dist.barrier()
+
+    def finish_checkpoint():
+        """Wait for the DCP save in flight, if any (rank 0: then it is in place)."""
+        nonlocal pending
+        if pending is not None:
+            save, waited, start = pending
+            pending = None
+            path = save.finish()
+            if dist_info.master:
+                log_checkpoint(path, waited if cfg.train.ckpt_async else time.perf_counter() - start,
+                               time.perf_counter() - start)
+
+    def log_checkpoint(path, seconds, written_seconds=None):
+        """Rank 0: the checkpoint is in place; ckpt_seconds: training stopped for it (an asynchronous
+        save: the copy to the CPU), ckpt_write_seconds: until it was in place (asynchronous saves,
+        logged at the step they finish, which may be after ckpt_step)."""
+        nonlocal last_ckpt
+        last_ckpt = path
+        record = {"step": step, "ckpt_step": checkpoint_step(path), "ckpt_seconds": seconds,
+                  "ckpt_bytes": disk_bytes(path)}
+        if cfg.train.ckpt_async:
+            record["ckpt_write_seconds"] = written_seconds
+        metrics.log(record)
 
     model.train()
     t_start = t_last = time.perf_counter()
@@ -514,15 +581,19 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                     metrics.log({"step": step, "val_loss": val})
             if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
                 untimed(lambda: checkpoint(step))
+            if pending is not None and pending[0].done():
+                finish_checkpoint()
             if stop.agreed(dist_info):
                 bar.close()
                 if saved_step != step:
                     checkpoint(step)
+                finish_checkpoint()
                 if dist_info.master:
                     print(f"interrupted at step {step}: saved {last_ckpt}; resume with train.resume=auto")
                 del model                  # DDP's reducer must die before its process group (gloo deadlock)
                 dist_info.close()
                 raise SystemExit(stop.exit_code)
+    finish_checkpoint()
     if dist_info.master:
         print_summary(step, tokens_per_step, time.perf_counter() - t_start, summary, last_ckpt, out_dir)
         if cfg.train.sample_tokens:   # FSDP holds shards only: sample from the saved checkpoint

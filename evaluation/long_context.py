@@ -14,6 +14,7 @@ setting). Writes long_context.csv (position,
 loss, smoothed loss) and long_context.png next to results.json.
 """
 import csv
+import io
 import math
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from evaluation import ValSplit, check_int, check_positions, evaluation
+from model.checkpoint import atomic_write
 
 
 @torch.no_grad()
@@ -68,10 +70,11 @@ def perplexity_by_length(losses, min_len):
 
 
 def write_csv(path, losses, smoothed):
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["position", "loss", "loss_smoothed"])
-        writer.writerows((i + 1, f"{a:.6f}", f"{b:.6f}") for i, (a, b) in enumerate(zip(losses, smoothed)))
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    writer.writerow(["position", "loss", "loss_smoothed"])
+    writer.writerows((i + 1, f"{a:.6f}", f"{b:.6f}") for i, (a, b) in enumerate(zip(losses, smoothed)))
+    atomic_write(str(path), lambda f: f.write(text.getvalue().encode()))
 
 
 def read_csv(path):
@@ -94,7 +97,7 @@ def plot_curves(curves, png, window, train_len=None):
     ax.set(xlabel="token position i", ylabel=f"per-token loss L(i), {window}-token moving average")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.savefig(png, dpi=150, bbox_inches="tight")
+    atomic_write(str(png), lambda f: fig.savefig(f, format="png", dpi=150, bbox_inches="tight"))
     plt.close(fig)
 
 

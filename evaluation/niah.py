@@ -23,8 +23,9 @@ import torch
 
 from data.sample.tei_to_text import tei_to_text
 from evaluation import check_int, check_list, check_number, evaluation
-from model.runtime import shown
 from evaluation.lm_eval_adapter import REPO
+from model.checkpoint import atomic_write
+from model.runtime import shown
 
 QUESTION = "What is the best thing to do in San Francisco?"
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -96,7 +97,7 @@ def plot_heatmap(grid, lengths, depths, train_len, title, png):
         ax.axvline(np.interp(train_len, lengths, range(len(lengths))), ls="--", c="black", lw=1)
     ax.set(xlabel="context length (tokens)", ylabel="needle depth (%)", title=title)
     fig.colorbar(image, ax=ax, label="score (10: answer found, 1: not)")
-    fig.savefig(png, dpi=150, bbox_inches="tight")
+    atomic_write(str(png), lambda f: fig.savefig(f, format="png", dpi=150, bbox_inches="tight"))
     plt.close(fig)
 
 
@@ -162,7 +163,7 @@ def needle_in_a_haystack(model, ctx):
               "lengths": lengths, "depths": depths, "train_seq_len": train_len}
     for mode in modes:
         records = run_mode(model, tokenizer, hay, mode, lengths, depths, c, ctx.device)
-        (out / f"niah_{mode}.json").write_text(json.dumps(records, indent=1))
+        atomic_write(str(out / f"niah_{mode}.json"), lambda f: f.write(json.dumps(records, indent=1).encode()))
         match = np.array([r["match"] for r in records], dtype=float).reshape(len(lengths), len(depths)).T
         plot_heatmap(1 + 9 * match, lengths, depths, train_len, f"needle in a haystack, {mode} mode",
                      out / f"niah_{mode}.png")

@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from model.checkpoint import atomic_write
+
 
 def load(path, ckpt_path):
     """The results already in `path` for this checkpoint file, else a fresh dict."""
@@ -48,9 +50,7 @@ def save(path, results):
         moved = free_name(path, Path(old.get("checkpoint") or "previous").stem)
         os.replace(path, moved)
         print(f"results: {path} held the results of {old.get('checkpoint')}; moved them to {moved}")
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(results, f, indent=2)
-    os.replace(f"{path}.tmp", path)
+    atomic_write(str(path), lambda f: f.write(json.dumps(results, indent=2).encode()))
     return moved
 
 

@@ -23,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
+from kernels.fused import LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu
+from kernels.fused import reference as fused_reference
 from kernels.sdpa import decode_sdpa
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias, tree_decode
 from model.recurrent import LAYERS as RECURRENT_LAYERS
@@ -49,6 +51,8 @@ class GPTConfig:
     rope_theta: float = 10000.0
     tie_embeddings: bool = True
     attention: str = "baseline"
+    attention_window: int | None = None  # sliding window W of softmax / forgetting attention: query t sees
+                                         # keys t-W+1 .. t (Transformer-SWA, arXiv:2503.02130 §F.4); None: all
     dropout: float = 0.0
     init_std: float = 0.02
     scaled_residual_init: bool = True   # GPT-2's std / sqrt(2 n_layer) on residual outputs (FoX: off)
@@ -56,6 +60,8 @@ class GPTConfig:
     castle_window: int | None = None    # W of CASTLE-SWL (attention=castle_swl)
     castle_rope: str = "qk"             # RoPE on "causal" q^C,k^C | "qk" + q^U,k^U | "qkv" + v^U (paper: unstated)
     castle_match_heads: bool = False    # n_head <- floor(4/7 n_head): CASTLE's parameter-matching rule
+    castle_causal_keys: bool = True     # False: no W^C_K, logits -SiLU(s^U) alone (ablation, §5.2.1 Table 5)
+    castle_silu: bool = True            # False: logits s^C - s^U, no SiLU gate (ablation, §5.2.3 Table 10)
     # Forgetting Transformer and the Pro block (arXiv:2503.02130 §3, App. A)
     fgate: str = "data_dependent"       # forget gate f_t^(h): "data_dependent" sigmoid(w_f.x_t + b_f) (§3) |
                                         # "bias_only" sigmoid(b^(h)), learned | "fixed" sigmoid(b^(h)), frozen (§4.5)
@@ -67,6 +73,11 @@ class GPTConfig:
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
     output_gate: bool = False           # sigmoid output gate (Pro, eq 21)
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
+    # Fused kernels (kernels/fused): how the model computes, not what (outputs and gradients match the unfused path
+    # to rounding); off is the unfused reference path
+    fused_loss: str = "none"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
+    fused_norm: bool = False            # Triton RMSNorm; the block's attention residual add fused into its MLP norm
+    fused_swiglu: str = "none"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
     # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
@@ -91,11 +102,22 @@ class GPTConfig:
             raise ValueError("attention=castle_swl needs model.castle_window >= 1 (paper: 128 for S, 512 else)")
         if self.castle_rope not in ("causal", "qk", "qkv"):
             raise ValueError(f"model.castle_rope={self.castle_rope!r}; choose causal, qk or qkv")
+        self._check_castle_ablations()
         self._check_forget_gate()
+        self._check_attention_window()
+        self._check_fused()
         self._check_recurrent()
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
                              f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
+
+    def _check_castle_ablations(self):
+        if self.attention not in ("castle", "castle_swl"):
+            changed = [f"model.{name}=false" for name in ("castle_causal_keys", "castle_silu")
+                       if not getattr(self, name)]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} only applies to attention=castle or castle_swl "
+                                 f"(model=castle or model=castle_swl), not attention={self.attention}")
 
     def _check_forget_gate(self):
         if self.attention != "fox":
@@ -113,6 +135,32 @@ class GPTConfig:
         if tmin is not None and self.fgate_bias_init != 0:
             raise ValueError(f"model.fgate_bias_init={self.fgate_bias_init} and model.fgate_tmin/fgate_tmax both "
                              "set the forget-gate bias at init; set one of them")
+
+    def _check_attention_window(self):
+        w = self.attention_window
+        if w is None:
+            return
+        if self.attention not in WINDOWED_ATTENTIONS:
+            raise ValueError(f"model.attention_window={w} only applies to softmax and forgetting attention "
+                             "(model=llama, gpt2, transformer_llama, transformer_pro, fox_llama or fox_pro), not "
+                             f"attention={self.attention}" + (" (CASTLE-SWL's window is model.castle_window)"
+                                                             if self.attention.startswith("castle") else ""))
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+            raise ValueError(f"model.attention_window={w!r} must be an integer >= 1 (null: full causal attention)")
+        if self.dropout:
+            raise ValueError(f"model.attention_window={w} has no attention dropout (the sliding-window kernels "
+                             f"do not drop); set model.dropout=0 (got {self.dropout})")
+
+    def _check_fused(self):
+        for name, allowed in [("fused_loss", LOSS_IMPLS), ("fused_swiglu", FUSED_SWIGLU)]:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
+        if self.fused_norm and self.norm != "rmsnorm":
+            raise ValueError(f"model.fused_norm=true fuses RMSNorm, but model.norm={self.norm}; "
+                             "set model.fused_norm=false")
+        if self.fused_swiglu != "none" and self.mlp != "swiglu":
+            raise ValueError(f"model.fused_swiglu={self.fused_swiglu} fuses SwiGLU, but model.mlp={self.mlp}; "
+                             "set model.fused_swiglu=none")
 
     def _check_recurrent(self):
         defaults = {f.name: f.default for f in fields(self)}
@@ -144,20 +192,46 @@ class GPTConfig:
 
 # ----------------------------------------------------------------------------- norms, MLPs
 
+FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # GPTConfig fields that change no result
+FUSED_SWIGLU = ("none", "packed", "triton")
+
+
 class RMSNorm(nn.Module):
-    def __init__(self, dim, eps=1e-5):
+    """RMSNorm; `fused`: the Triton kernels (kernels/fused), which under autocast write the output in autocast's
+    dtype: every consumer of a block's or the final norm is a Linear, which would round it to that dtype anyway."""
+
+    def __init__(self, dim, eps=1e-5, fused=False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, autocast_dtype(x))
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+
+
+def autocast_dtype(x):
+    """Autocast's dtype where it is on for x's device, else None."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+
+
+def add_and_norm(x, y, norm):
+    """(x + y, norm(x + y)): the residual stream after a branch y (None: no branch, x as it is), and its normed
+    input to the next branch; one Triton pass where the norm is a fused RMSNorm."""
+    if y is None:
+        return x, norm(x)
+    if isinstance(norm, RMSNorm) and norm.fused:
+        return add_rms_norm(x, y, norm.weight, norm.eps, autocast_dtype(x))
+    x = x + y
+    return x, norm(x)
 
 
 def make_norm(config, dim=None):
     dim = dim or config.n_embd
     if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps)
+        return RMSNorm(dim, config.norm_eps, fused=config.fused_norm)
     return nn.LayerNorm(dim, eps=config.norm_eps, bias=config.bias)
 
 
@@ -174,6 +248,10 @@ def mlp_hidden_size(config):
 
 
 class SwiGLU(nn.Module):
+    """w_down(silu(w_gate x) * w_up x). `fused` (GPTConfig.fused_swiglu) "packed": one matmul with the
+    concatenated [w_gate; w_up] (x read once, one matmul each way in the backward; the weights stay two
+    parameters), silu(a) * b left to torch.compile; "triton": packed, and the Triton kernel for silu(a) * b."""
+
     def __init__(self, config):
         super().__init__()
         hidden = mlp_hidden_size(config)
@@ -181,9 +259,14 @@ class SwiGLU(nn.Module):
         self.w_up = nn.Linear(config.n_embd, hidden, bias=config.bias)
         self.w_down = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.w_down.residual_proj = True
+        self.fused = config.fused_swiglu
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.fused == "none":
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        bias = torch.cat([self.w_gate.bias, self.w_up.bias]) if self.w_gate.bias is not None else None
+        gate_up = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight]), bias)
+        return self.w_down(swiglu(gate_up) if self.fused == "triton" else fused_reference.swiglu(gate_up))
 
 
 class GeluMLP(nn.Module):
@@ -344,6 +427,77 @@ class SoftmaxCache(KVCache):
         return self.log_fgate_cumsum[:, :, :self.n_local]
 
 
+class WindowCache(RoundRobinRows):
+    """The cache of a sliding-window layer (model.attention_window = W): only the positions a later query
+    can still see, so its memory is O(W) however long the stream. A ring of min(ceil(W / p), ceil(max_len / p))
+    rows per rank: global position j lives on rank j % p (round robin, as in KVCache) in row (j // p) % rows,
+    which keeps every rank's last W // p or so positions; `pos` holds each row's global position (-1: empty)
+    and attention masks whatever lies outside a query's window (kernels.tree.mask_bias). FoX keeps c of each
+    row (float64, as SoftmaxCache); c_last and the last raw key and value belong to the stream."""
+
+    def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, window, gated, group=None):
+        super().__init__(group, device)
+        self.window = window
+        rows = min(self.max_rows(window), self.max_rows(max_len))
+        self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.pos = torch.full((rows,), -1, dtype=torch.long, device=device)
+        self.c = torch.zeros(self.k.shape[:3], device=device, dtype=torch.float64) if gated else None
+        self.c_last = torch.zeros(batch_size, n_head, 1, device=device, dtype=torch.float64)
+        self.last_raw_k = torch.zeros(batch_size, n_head, 1, head_dim, device=device, dtype=dtype)
+        self.last_raw_v = torch.zeros_like(self.last_raw_k)
+
+    @property
+    def capacity(self):
+        """Local rows allocated."""
+        return self.k.size(2)
+
+    def gates(self, log_fgate):
+        """c of the T new positions, continuing the stream's (None without a gate)."""
+        if log_fgate is None:
+            return None
+        c = fgate_cumsum(log_fgate, self.c_last)
+        self.c_last = c[..., -1:].clone()
+        return c
+
+    def _owned(self, T):
+        """The new positions length .. length + T - 1 held here: (strided slice of the chunk, global positions)."""
+        chunk, _ = self.local_rows(self.length, T)
+        return chunk, torch.arange(self.length, self.length + T, device=self.device)[chunk]
+
+    def store(self, k, v, c):
+        """Append T positions: this rank's share, of which the ring keeps the newest `capacity`."""
+        chunk, pos = self._owned(k.size(2))
+        keep = slice(max(0, pos.numel() - self.capacity), None)
+        rows = (pos[keep] // self.world) % self.capacity
+        self.k[:, :, rows] = k[:, :, chunk][:, :, keep]
+        self.v[:, :, rows] = v[:, :, chunk][:, :, keep]
+        if c is not None:
+            self.c[:, :, rows] = c[:, :, chunk][:, :, keep]
+        self.pos[rows] = pos[keep]
+        self.length += k.size(2)
+
+    def attend(self, q, k, v, c):
+        """The T new queries (k, v, c: theirs) over the cached rows and the new positions held here, merged
+        with the other ranks' by tree attention (kernels/tree.py); the new positions are then stored."""
+        T = q.size(2)
+        q_pos = torch.arange(self.length, self.length + T, device=self.device)
+        if T == 1:
+            # the new position overwrites one at least W older, which its query no longer sees
+            self.store(k, v, c)
+            keys, values, c_keys, k_pos = self.k, self.v, self.c, self.pos
+        else:   # earlier queries of the chunk may still see the rows it overwrites: attend first
+            chunk, new_pos = self._owned(T)
+            keys, values = torch.cat([self.k, k[:, :, chunk]], 2), torch.cat([self.v, v[:, :, chunk]], 2)
+            c_keys = torch.cat([self.c, c[:, :, chunk]], 2) if c is not None else None
+            k_pos = torch.cat([self.pos, new_pos])
+            self.store(k, v, c)
+        bias = mask_bias(q_pos, k_pos, window=self.window)
+        if c_keys is not None:   # -c_j relative to the newest c, as in attend_sharded
+            bias = bias + fox_bias(c_keys - self.c_last)
+        return tree_decode(q, keys, values, group=self.group, bias_local=bias)
+
+
 FGATES = ("data_dependent", "bias_only", "fixed")
 
 
@@ -391,7 +545,8 @@ def make_forget_gate(config):
 
 
 class SoftmaxAttention(nn.Module):
-    """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block.
+    """Causal softmax attention (Transformer) or Forgetting Attention (FoX), LLaMA or Pro block; with
+    model.attention_window = W over the last W positions only (Transformer-SWA, FoX arXiv:2503.02130 §F.4).
 
     Order inside the layer (FoX, arXiv:2503.02130 App. A, eqs (15)-(23)): projections -> KV-shift ->
     QK-norm -> RoPE -> forget gate -> attention -> per-head output norm * output gate -> output projection.
@@ -400,6 +555,7 @@ class SoftmaxAttention(nn.Module):
     def __init__(self, config, forget_gate):
         super().__init__()
         self.n_head, self.head_dim, self.dropout = config.n_head, config.head_dim, config.dropout
+        self.window = config.attention_window
         inner = config.n_head * config.head_dim
         self.qkv = nn.Linear(config.n_embd, 3 * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
@@ -444,6 +600,8 @@ class SoftmaxAttention(nn.Module):
         return token_shift(k, alpha_k, prev_k), token_shift(v, alpha_v, prev_v)
 
     def attend(self, q, k, v, log_fgate, cache):
+        if self.window is not None:
+            return self.attend_window(q, k, v, log_fgate, cache)
         T = q.size(2)
         c = None
         if cache is not None:
@@ -465,12 +623,26 @@ class SoftmaxAttention(nn.Module):
         mask = cached_causal_mask(T, k.size(2), q.device) if T > 1 else None
         return decode_sdpa(q, k, v, attn_mask=mask, dropout_p=dropout)
 
+    def attend_window(self, q, k, v, log_fgate, cache):
+        """Sliding-window attention: a whole sequence (or a prompt into an empty unsharded cache, which
+        then keeps its last positions) through the forgetting-attention kernels, gated or not, which
+        visit only the key tiles of the window; anything else through the window cache."""
+        if cache is not None and (cache.length or cache.group is not None):
+            return cache.attend(q, k, v, cache.gates(log_fgate))
+        y = forgetting_attn(q, k, v, log_fgate, window=self.window)
+        if cache is not None:
+            cache.store(k, v, cache.gates(log_fgate))
+        return y
+
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
+        if self.window is not None:
+            return WindowCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, self.window,
+                               gated=self.fgate is not None, group=group)
         return SoftmaxCache(batch_size, self.n_head, max_len, self.head_dim, device, dtype, group)
 
     def flops_per_token(self, seq_len):
         # QK^T and PV: 2 matmuls x 2 FLOPs x (fwd + 2x bwd) = 12 per (head, dim, key) a query sees
-        return 12 * self.n_head * self.head_dim * keys_per_query(seq_len)
+        return 12 * self.n_head * self.head_dim * keys_per_query(seq_len, self.window)
 
 
 def keys_per_query(seq_len, window=None):
@@ -498,40 +670,48 @@ def attend_sharded(q, k, v, c, cache):
 
 register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))
 register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
+WINDOWED_ATTENTIONS = ("baseline", "fox")   # those that take model.attention_window
 
 
 class CastleAttention(nn.Module):
     """CASTLE / CASTLE-SWL: causal keys plus lookahead keys (arXiv:2509.07301). Six projections per
-    head and W_O: 7 n_head d d_model parameters."""
+    head (q^C, k^C, v^C, q^U, k^U, v^U, in that order in `proj`) and W_O: 7 n_head d d_model parameters.
+    Without causal keys (castle_causal_keys=false) no k^C: 6 n_head d d_model."""
 
     def __init__(self, config, window):
         super().__init__()
         self.n_head, self.head_dim, self.window = config.n_head, config.head_dim, window
+        self.causal_keys, self.silu = config.castle_causal_keys, config.castle_silu
+        self.n_proj = 6 if self.causal_keys else 5
         inner = config.n_head * config.head_dim
-        self.proj = nn.Linear(config.n_embd, 6 * inner, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, self.n_proj * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
         self.out.residual_proj = True
         self.rope_mode = config.castle_rope
 
     def forward(self, x, rope, cache=None):
-        qc, kc, vc, qu, ku, vu = (split_heads(t, self.n_head) for t in self.proj(x).chunk(6, dim=-1))
-        qc, kc = apply_rope(qc, rope), apply_rope(kc, rope)
+        parts = [split_heads(t, self.n_head) for t in self.proj(x).chunk(self.n_proj, dim=-1)]
+        if not self.causal_keys:
+            parts.insert(1, None)
+        qc, kc, vc, qu, ku, vu = parts
+        qc, kc = apply_rope(qc, rope), kc if kc is None else apply_rope(kc, rope)
         if self.rope_mode in ("qk", "qkv"):
             qu, ku = apply_rope(qu, rope), apply_rope(ku, rope)
         if self.rope_mode == "qkv":
             vu = apply_rope(vu, rope)
         if cache is None:
-            y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window)
+            y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window, silu=self.silu)
         elif cache.length == 0 and cache.group is None:   # a prompt: one pass (a sharded cache steps through it)
             y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)
         else:                                # one position at a time through the UQ-KV cache
-            y = torch.cat([castle_decode(cache, *(z[:, :, t:t + 1] for z in (qc, kc, vc, qu, ku, vu)))[0]
+            xs = (qc, kc, vc, qu, ku, vu)
+            y = torch.cat([castle_decode(cache, *(z if z is None else z[:, :, t:t + 1] for z in xs))[0]
                            for t in range(x.size(1))], dim=2)
         return self.out(merge_heads(y))
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):
         return CastleCache(batch_size, self.n_head, self.head_dim, max_len=max_len, dtype=dtype, device=device,
-                           window=self.window, group=group)
+                           window=self.window, group=group, causal_keys=self.causal_keys, silu=self.silu)
 
     def flops_per_token(self, seq_len):
         # The block algorithm (arXiv:2509.07301 App. 8) takes 8 block matmuls per (query, key) tile pair inside
@@ -551,11 +731,16 @@ for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gat
 class Block(nn.Module):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) (no MLP sub-layer with mlp=none).
 
-    With `recompute` (GPT.checkpoint_activations) a forward that records gradients keeps only the
-    block's input and runs the block again in the backward (activation checkpointing). Non-reentrant
-    checkpointing traces under torch.compile, restores the RNG so that dropout draws the same mask
-    again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on this module outside the
-    recomputed region. A forward with a cache never recomputes: it appends to the cache."""
+    Each residual add is done by the norm that reads its sum (add_and_norm: one pass with fused norms), so the
+    MLP's add is left to the next block's first norm (or the final norm): GPT.forward passes it on as
+    `pending` and asks for (stream, MLP branch) with `defer_add`; called as block(x, rope) a block adds it.
+
+    With `recompute` (GPT.checkpoint_activations) a forward that records gradients adds the pending
+    branch, keeps only the block's input and runs the block again in the backward (activation
+    checkpointing). Non-reentrant checkpointing traces under torch.compile, restores the RNG so that
+    dropout draws the same mask again, and leaves the hooks DDP or FSDP2 (fully_shard(block)) put on
+    this module outside the recomputed region. A forward with a cache never recomputes: it appends to
+    the cache."""
 
     def __init__(self, config):
         super().__init__()
@@ -566,14 +751,24 @@ class Block(nn.Module):
         self.mlp = MLPS[config.mlp](config) if has_mlp else None
         self.recompute = False
 
-    def forward(self, x, rope, cache=None):
+    def forward(self, x, rope, cache=None, pending=None, defer_add=False):
+        """The stream x (+ pending, the previous block's MLP branch it left unadded) -> the stream after this
+        block, or with defer_add the pair (stream before the MLP's add, MLP branch)."""
         if self.recompute and cache is None and torch.is_grad_enabled():
-            return checkpoint(self.residual_layers, x, rope, use_reentrant=False)
-        return self.residual_layers(x, rope, cache)
+            if pending is not None:          # the checkpoint then keeps one input, the stream
+                x = x + pending
+            x, y = checkpoint(self.residual_layers, x, None, rope, use_reentrant=False)
+        else:
+            x, y = self.residual_layers(x, pending, rope, cache)
+        return (x, y) if defer_add else x + y
 
-    def residual_layers(self, x, rope, cache=None):
-        x = x + self.attn(self.norm_attn(x), rope, cache)
-        return x if self.mlp is None else x + self.mlp(self.norm_mlp(x))
+    def residual_layers(self, x, pending, rope, cache=None):
+        x, h = add_and_norm(x, pending, self.norm_attn)
+        y = self.attn(h, rope, cache)
+        if self.mlp is None:             # no MLP sub-layer (Mamba-2): the layer's branch is the one left to add
+            return x, y
+        x, h = add_and_norm(x, y, self.norm_mlp)
+        return x, self.mlp(h)
 
 
 ACTIVATION_CHECKPOINTING = ("none", "selective", "full")   # by the memory they save
@@ -647,7 +842,9 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None, cache=None, last_only=False):
         """idx (B, T) -> (logits, loss). logits: (B, T, vocab), or (B, 1, vocab) with last_only.
 
-        With `cache` (from `new_cache`), the T tokens continue the cached sequence.
+        With `cache` (from `new_cache`), the T tokens continue the cached sequence. With targets and
+        config.fused_loss, the loss comes from the hidden states and lm_head's weight without the logits,
+        and logits is None. Targets of -1 are ignored; every vocab_size row takes part in the softmax.
         """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
@@ -659,13 +856,17 @@ class GPT(nn.Module):
             x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
         rope = self._rope(start, T, idx.device)
+        y = None
         for i, block in enumerate(self.blocks):
-            x = block(x, rope, cache.layers[i] if cache is not None else None)
+            x, y = block(x, rope, cache.layers[i] if cache is not None else None, pending=y, defer_add=True)
         if cache is not None:
             cache.pos += T
-        x = self.norm_f(x)
+        _, x = add_and_norm(x, y, self.norm_f)
         if last_only:
             x = x[:, -1:]
+        if targets is not None and self.config.fused_loss != "none":
+            return None, linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                              ignore_index=-1, impl=self.config.fused_loss)
         logits = self.lm_head(x)
         loss = None
         if targets is not None:

@@ -15,6 +15,14 @@ forward+backward 3.5x that, the same for every implementation.
 
     python -m scripts.bench_forgetting --L 2048 4096 8192 16384 --D 64 128 --dtype bf16
 
+--window W times sliding-window attention (query i sees keys i-W+1 .. i; Transformer-SWA, FoX
+arXiv:2503.02130 §F.4) instead: our kernels without the gate (softmax SWA, what model.attention_window
+runs for the Transformer) and with it (FoX-SWA), each against FlexAttention with a sliding-window block
+mask (and the gate as a score_mod for FoX), next to full causal attention: SDPA and our ungated kernels. A windowed row's TFLOP/s count
+the FLOPs of the keys its window holds, 4*B*H*D*(L*W - W^2/2) forward.
+
+    python -m scripts.bench_forgetting --window 2048 --L 4096 8192 16384 --D 64 128
+
 The default shapes are the FoX issue's: 16 heads and B*L = 16384 tokens (B8 L2048 ... B1 L16384).
 
 One head dim over the four lengths takes minutes (compilation and autotuning of every
@@ -37,6 +45,9 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OURS, REF, FLA, FLEX, SDPA, CUDNN = (
     "FoX Triton (ours)", "FoX torch reference", "fla-core parallel_forgetting_attn",
     "FlexAttention, score_mod c_i - c_j", "SDPA flash causal (no gate)", "SDPA cuDNN causal (no gate)")
+SWA, FLEX_SWA, FOX_SWA, FLEX_FOX_SWA, CAUSAL = (
+    "SWA Triton, no gate (ours)", "FlexAttention SWA block mask", "FoX-SWA Triton (ours)",
+    "FlexAttention SWA block mask, score_mod c_i - c_j", "causal Triton, no gate (ours, full)")
 
 
 def load_fla():
@@ -60,12 +71,18 @@ def flex_fox(q, k, v, log_fgate, block_mask):
                           score_mod=lambda s, b, h, i, j: s + c[b, h, i] - c_key[b, h, j])
 
 
+@torch.compile(dynamic=False)
+def flex_swa(q, k, v, block_mask):
+    return flex_attention(q, k, v, block_mask=block_mask)
+
+
 def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def implementations(q, k, v, log_fgate, fla):
-    """name -> (forward callable, its inputs, upstream-gradient layout transposed?)."""
+    """name -> (forward callable, its inputs, upstream-gradient layout transposed?), and the pairs of
+    names whose outputs and gradients are compared."""
     B, H, L, D = q.shape
     impls = {OURS: (lambda: forgetting.forgetting_attn(q, k, v, log_fgate, impl="triton"),
                     (q, k, v, log_fgate), False)}
@@ -79,6 +96,28 @@ def implementations(q, k, v, log_fgate, fla):
         qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
         gt = log_fgate.detach().transpose(1, 2).contiguous().requires_grad_()
         impls[FLA] = (lambda: fla(qt, kt, vt, gt), (qt, kt, vt, gt), True)
+    impls.update(sdpa_causal(q, k, v))
+    return impls, [(OURS, name) for name in (REF, FLA, FLEX) if name in impls]
+
+
+def window_implementations(q, k, v, log_fgate, window):
+    """As implementations, for the sliding window: ours and FlexAttention, without and with the gate."""
+    L = q.shape[2]
+    band = create_block_mask(lambda b, h, i, j: (i >= j) & (i - j < window), None, None, L, L, device=q.device)
+    impls = {
+        SWA: (lambda: forgetting.forgetting_attn(q, k, v, None, window=window, impl="triton"), (q, k, v), False),
+        FLEX_SWA: (lambda: flex_swa(q, k, v, band), (q, k, v), False),
+        FOX_SWA: (lambda: forgetting.forgetting_attn(q, k, v, log_fgate, window=window, impl="triton"),
+                  (q, k, v, log_fgate), False),
+        FLEX_FOX_SWA: (lambda: flex_fox(q, k, v, log_fgate, band), (q, k, v, log_fgate), False),
+        CAUSAL: (lambda: forgetting.forgetting_attn(q, k, v, None, impl="triton"), (q, k, v), False)}
+    impls.update(sdpa_causal(q, k, v))
+    return impls, [(SWA, FLEX_SWA), (FOX_SWA, FLEX_FOX_SWA)]
+
+
+def sdpa_causal(q, k, v):
+    """The SDPA rows (16-bit only): full causal attention with FlashAttention, and cuDNN where it runs."""
+    impls = {}
 
     def sdpa():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -97,13 +136,23 @@ def implementations(q, k, v, log_fgate, fla):
     return impls
 
 
-def bench_shape(B, H, L, D, dtype, fla):
+def forward_flops(B, H, L, D, window=None):
+    """Matmul FLOPs of a causal forward over the keys each query sees: 4*B*H*D per (query, key) pair,
+    L^2 / 2 pairs causal (FlashAttention's convention), L*W - W^2/2 with a window W."""
+    W = L if window is None else min(window, L)
+    return 4.0 * B * H * D * (L * W - W * W / 2)
+
+
+def bench_shape(B, H, L, D, dtype, fla, window=None):
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     log_fgate = F.logsigmoid(torch.randn(B, H, L, device="cuda")).requires_grad_()
     do = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
     do_t = do.transpose(1, 2).contiguous()
-    flops_fwd = 2.0 * B * H * L * L * D
-    impls = implementations(q, k, v, log_fgate, fla)
+    if window is None:
+        impls, compared = implementations(q, k, v, log_fgate, fla)
+    else:
+        impls, compared = window_implementations(q, k, v, log_fgate, window)
+    windowed = {SWA, FLEX_SWA, FOX_SWA, FLEX_FOX_SWA}
     outputs, setup = {}, {}
     for name, (fn, inputs, transposed) in list(impls.items()):
         t0 = time.time()  # the first forward+backward compiles and autotunes
@@ -135,11 +184,12 @@ def bench_shape(B, H, L, D, dtype, fla):
     rows = []
     for name, runs in times.items():
         t_fwd, t_all = (min(t) for t in zip(*runs))
+        flops_fwd = forward_flops(B, H, L, D, window if name in windowed else None)
         rows.append((name, t_fwd, flops_fwd / t_fwd * 1e-9, t_all, 3.5 * flops_fwd / t_all * 1e-9))
-    # the same function as the other FoX implementations? (SDPA has no gate)
-    notes = [f"ours vs {n}: rel err of o, dq, dk, dv, d log f "
-             + ", ".join(f"{rel_err(a, b):.1e}" for a, b in zip(outputs[OURS], o))
-             for n, o in outputs.items() if n in (REF, FLA, FLEX)]
+    # the same function as the peers? (SDPA has no gate, nor a window)
+    notes = [f"{ours} vs {peer}: rel err of o, dq, dk, dv[, d log f] "
+             + ", ".join(f"{rel_err(a, b):.1e}" for a, b in zip(outputs[ours], outputs[peer]))
+             for ours, peer in compared if ours in outputs and peer in outputs]
     notes.append("first fwd+bwd call (compile, autotune) s: " + ", ".join(f"{n} {t:.1f}" for n, t in setup.items()))
     return rows, notes
 
@@ -160,14 +210,20 @@ def main():
     p.add_argument("--B", type=int, default=None, help="batch; default 16384 // L (at least 1)")
     p.add_argument("--H", type=int, default=None, help="heads; default 16")
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
+    p.add_argument("--window", type=int, default=None,
+                   help="time sliding-window attention over the last W positions instead (ours vs FlexAttention)")
     p.add_argument("--show-tuning", action="store_true", help="print every autotuned config's time")
     args = p.parse_args()
+    if args.window is not None and args.window < 1:
+        p.error(f"--window {args.window}: the window must be >= 1")
 
     t0 = time.time()
     fla, fla_error = load_fla()
     print(f"command: python {' '.join(sys.argv)}")
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print("fla-core: " + (f"imported in {time.time() - t0:.0f} s" if fla else f"not available ({fla_error})"))
+    if args.window is not None:
+        print(f"sliding window W = {args.window}: query i sees keys i-W+1 .. i (SDPA rows: full causal)")
     print()
     print("| B | H | L | D | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
           "| time / SDPA fwd, fwd+bwd |")
@@ -176,7 +232,7 @@ def main():
         for L in args.L:
             B = args.B or max(1, 16384 // L)
             H = args.H or 16
-            rows, notes = bench_shape(B, H, L, D, DTYPES[args.dtype], fla)
+            rows, notes = bench_shape(B, H, L, D, DTYPES[args.dtype], fla, args.window)
             sdpa = {r[0]: r for r in rows}.get(SDPA)
             for name, t_fwd, tf_fwd, t_all, tf_all in rows:
                 ratio = f"{t_fwd / sdpa[1]:.2f}, {t_all / sdpa[3]:.2f}" if sdpa else "-"

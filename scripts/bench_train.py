@@ -8,6 +8,8 @@
     python -m scripts.bench_train --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
     python -m scripts.bench_train --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
     python -m scripts.bench_train --models castle_paper_XL --batch-tokens 16384 --activation-checkpointing full
+    python -m scripts.bench_train --models baseline_paper_S --fused none all --plain ../shared/bench/plain_llama_step.py
+    python -m scripts.bench_train --models baseline_paper_S --fused loss=chunked loss=liger norm swiglu=packed swiglu
 
 Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
 overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
@@ -19,9 +21,19 @@ With --rounds R > 1 every model is compiled and warmed once and stays resident; 
 model for --steps steps, every other round in reverse order, so that clock and thermal drift hit the models
 alike. Rows give the median tokens/s over the rounds and their range, and each model's tokens/s relative to
 the first model, round by round (median and range). Peak memory then includes the other resident models.
+
+--fused runs every model once per spec of the fused kernels (GPTConfig.fused_*; rows "MODEL +SPEC"): "none", "all"
+(loss=chunked,norm,swiglu=triton) or a comma list of loss=chunked|liger, norm, swiglu=packed|triton (swiglu alone:
+triton). --plain PATH first runs that yardstick script (a plain PyTorch LLaMA, plain_llama_step.py) in a
+subprocess at each distinct shape of the models (layers, width, width / head_dim heads, vocabulary, context,
+micro-batch), prints its rows, and adds each model's tokens/s relative to the yardstick of its shape; with
+--rounds > 1 the yardstick runs again after the models, and the ratio takes the mean of its two runs.
 """
 import argparse
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -30,8 +42,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from torch._dynamo.utils import counters
 
+from kernels.fused import LOSS_IMPLS
 from kernels.sdpa import prefer_sdpa_backend
-from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_SWIGLU, GPT, GPTConfig
 from model.runtime import CONFIG_DIR
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
@@ -54,9 +67,32 @@ def model_config(name, seq_len, overrides=()):
     return config, cfg.train.seq_len
 
 
-def prepare(name, args, device):
-    """A compiled, warmed-up model of experiment `name`: a dict with its one-step function and sizes."""
-    config, T = model_config(name, args.seq_len, args.override)
+FUSED_ALL = "loss=chunked,norm,swiglu=triton"
+# --fused item -> (GPTConfig field, its values; the last one is taken when the item has none, "loss" needs one)
+FUSED_ITEMS = {"loss": ("fused_loss", LOSS_IMPLS[1:]), "norm": ("fused_norm", ("true",)),
+               "swiglu": ("fused_swiglu", FUSED_SWIGLU[1:])}
+
+
+def fused_overrides(spec):
+    """The model overrides of a --fused spec (see the module docstring); ValueError on an unknown item."""
+    if spec == "none":
+        return []
+    overrides = []
+    for item in (FUSED_ALL if spec == "all" else spec).split(","):
+        key, _, value = item.partition("=")
+        field, values = FUSED_ITEMS.get(key, (None, ()))
+        value = value or (values[-1] if key != "loss" and values else "")
+        if value not in values:
+            raise ValueError(f"--fused item {item!r} is unknown; use none, all, or a comma list of "
+                             "loss=chunked|liger, norm, swiglu=packed|triton")
+        overrides.append(f"model.{field}={value}")
+    return overrides
+
+
+def prepare(name, args, device, extra_overrides=(), label=None):
+    """A compiled, warmed-up model of experiment `name` (Hydra overrides: args.override + extra_overrides):
+    a dict with its one-step function, sizes, and its row's label (default: name)."""
+    config, T = model_config(name, args.seq_len, list(args.override) + list(extra_overrides))
     batch = max(1, args.batch_tokens // T)
     torch.manual_seed(0)
     model = GPT(config).to(device)
@@ -77,8 +113,8 @@ def prepare(name, args, device):
     breaks = sum(counters["graph_break"].values())
     for _ in range(args.warmup):            # compilation and autotuning happen here
         step()
-    return {"name": name, "model": model, "step": step, "T": T, "batch": batch, "tok_s": [],
-            "graph_breaks": sum(counters["graph_break"].values()) - breaks}
+    return {"name": label or name, "model": model, "step": step, "T": T, "batch": batch, "tok_s": [],
+            "graph_breaks": sum(counters["graph_break"].values()) - breaks, "shape": plain_shape(config, T, batch)}
 
 
 def time_steps(bench, args, device):
@@ -96,9 +132,10 @@ def time_steps(bench, args, device):
         bench["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
 
 
-def table_row(bench, args, device, ratios=()):
+def table_row(bench, args, device, ratios=(), plain=None):
     """The markdown row of a measured model: median tokens/s over its rounds; with several rounds also their
-    range and the median (range) of its per-round ratio to the first model."""
+    range and the median (range) of its per-round ratio to the first model; with `plain` (the yardstick runs
+    by shape) its ratio to the yardstick of its shape."""
     model, T, tok_s = bench["model"], bench["T"], bench["tok_s"]
     median = statistics.median(tok_s)
     mfu = f"{model.flops_per_token(T) * median / args.peak_flops:.1%}" if device.type == "cuda" else "-"
@@ -108,7 +145,55 @@ def table_row(bench, args, device, ratios=()):
     if len(tok_s) > 1:
         row += (f" {min(tok_s):,.0f} - {max(tok_s):,.0f} | {statistics.median(ratios):.3f}x "
                 f"({min(ratios):.3f} - {max(ratios):.3f}) |")
+    if plain is not None:
+        row += f" {median / statistics.mean(run['tok_s'] for run in plain[bench['shape']]):.3f}x |"
     return row
+
+
+# ----------------------------------------------------------------------------- the plain-PyTorch yardstick
+
+def plain_shape(config, T, batch):
+    """The yardstick's arguments for a model: its layers, width, heads of its head_dim, vocabulary, context and
+    micro-batch (CASTLE's matched head count maps back to the baseline's)."""
+    return (("--L", config.n_layer), ("--d", config.n_embd), ("--h", config.n_embd // config.head_dim),
+            ("--V", config.vocab_size), ("--T", T), ("--mb", batch))
+
+
+def run_plain(script, shape, steps):
+    """One run of the yardstick script in a subprocess (its own compile and memory): tokens/s and peak GiB."""
+    cmd = [sys.executable, script, "--steps", str(steps)] + [str(a) for pair in shape for a in pair]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = re.search(r"([\d,]+) tokens/s, peak ([\d.]+) GiB", proc.stdout)
+    if proc.returncode or not found:
+        raise RuntimeError(f"the yardstick {' '.join(cmd)} failed (exit {proc.returncode}):\n"
+                           f"{proc.stdout}{proc.stderr}")
+    return {"tok_s": float(found[1].replace(",", "")), "peak_GiB": float(found[2])}
+
+
+def measure_plain(args, shapes, plain):
+    """Run the yardstick once at each shape, appending to plain[shape]; print its rows."""
+    torch.cuda.empty_cache()                 # memory this process caches is memory the yardstick cannot have
+    for shape in dict.fromkeys(shapes):
+        run = run_plain(args.plain, shape, args.steps)
+        plain.setdefault(shape, []).append(run)
+        dims = " ".join(f"{k[2:]}={v}" for k, v in shape)
+        print(f"| plain PyTorch ({dims}) | - | - | {run['tok_s']:,.0f} | - | {run['peak_GiB']:.1f} |"
+              + (" - | - |" if args.rounds > 1 else "") + " - |", flush=True)
+
+
+def model_shapes(args):
+    """The yardstick shape of every model, from its config alone."""
+    shapes = []
+    for name in args.models:
+        config, T = model_config(name, args.seq_len, args.override)
+        shapes.append(plain_shape(config, T, max(1, args.batch_tokens // T)))
+    return shapes
+
+
+def variants(args):
+    """(experiment, overrides, row label) of every model under every --fused spec."""
+    label = lambda name, spec: name if spec == "none" and len(args.fused) == 1 else f"{name} +{spec}"  # noqa: E731
+    return [(name, fused_overrides(spec), label(name, spec)) for name in args.models for spec in args.fused]
 
 
 def print_profile(bench, rows, device):
@@ -126,32 +211,34 @@ def print_profile(bench, rows, device):
                                     row_limit=rows, max_name_column_width=70), flush=True)
 
 
-def run_one_by_one(args, device):
+def run_one_by_one(args, device, plain):
     """Each model compiled, timed and freed before the next; its row printed as soon as it is measured."""
-    for name in args.models:
+    for name, overrides, label in variants(args):
         torch._dynamo.reset()                # a fresh compile per model (else the recompile limit hits)
-        bench = prepare(name, args, device)
+        bench = prepare(name, args, device, overrides, label)
         time_steps(bench, args, device)
         if args.profile:
             print_profile(bench, args.profile, device)
-        print(table_row(bench, args, device), flush=True)
+        print(table_row(bench, args, device, plain=plain), flush=True)
         del bench
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
 
-def run_alternating(args, device):
+def run_alternating(args, device, plain):
     """--rounds: every model compiled once and kept; rounds time them in turn, every other round reversed."""
     torch._dynamo.reset()
-    benches = [prepare(name, args, device) for name in args.models]
+    benches = [prepare(name, args, device, overrides, label) for name, overrides, label in variants(args)]
     for r in range(args.rounds):
         for bench in benches if r % 2 == 0 else benches[::-1]:
             time_steps(bench, args, device)
     for bench in benches if args.profile else []:
         print_profile(bench, args.profile, device)
+    if plain is not None:                    # the yardstick again, now that the GPU has run a while
+        measure_plain(args, [b["shape"] for b in benches], plain)
     for bench in benches:
         ratios = [t / first for t, first in zip(bench["tok_s"], benches[0]["tok_s"])]
-        print(table_row(bench, args, device, ratios), flush=True)
+        print(table_row(bench, args, device, ratios, plain), flush=True)
 
 
 def main():
@@ -176,14 +263,26 @@ def main():
                    help="print the top ROWS kernels of each model (CUDA)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the models (all resident) this many times, alternating; median, range and ratios")
+    p.add_argument("--fused", nargs="+", default=["none"], metavar="SPEC",
+                   help="fused kernels, one row per spec: none, all, or e.g. loss=chunked,norm,swiglu=packed")
+    p.add_argument("--plain", metavar="SCRIPT", default=None,
+                   help="yardstick script run at each model's shape, e.g. ../shared/bench/plain_llama_step.py")
     args = p.parse_args()
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.activation_checkpointing_every < 1:
         p.error(f"--activation-checkpointing-every must be >= 1, got {args.activation_checkpointing_every}")
+    if args.plain and (args.device == "cpu" or not os.path.isfile(args.plain)):
+        p.error(f"--plain {args.plain}: the yardstick needs a CUDA device and an existing script file")
+    for spec in args.fused:
+        try:
+            fused_overrides(spec)
+        except ValueError as e:
+            p.error(str(e))
     alternate = args.rounds > 1
-    if alternate and len(args.models) > 4:
-        p.error("--rounds keeps every model compiled at once: list at most 4 models (dynamo's recompile limit)")
+    if alternate and len(args.models) * len(args.fused) > 4:
+        p.error("--rounds keeps every model compiled at once: at most 4 models x --fused specs (dynamo's recompile "
+                "limit)")
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -191,10 +290,14 @@ def main():
     print(f"device: {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, torch {torch.__version__}, "
           f"activation checkpointing {args.activation_checkpointing}\n")
     print("| model | params | context x batch | tokens/s | MFU | peak GiB |"
-          + (" tokens/s range | vs the first model |" if alternate else ""))
-    print("|---|---|---|---|---|---|" + ("---|---|" if alternate else ""), flush=True)
+          + (" tokens/s range | vs the first model |" if alternate else "") + (" vs plain |" if args.plain else ""))
+    print("|---|---|---|---|---|---|" + ("---|---|" if alternate else "") + ("---|" if args.plain else ""), flush=True)
+    plain = None
+    if args.plain:                           # before any model takes GPU memory in this process
+        plain = {}
+        measure_plain(args, model_shapes(args), plain)
     with prefer_sdpa_backend(args.sdpa_backend):
-        (run_alternating if alternate else run_one_by_one)(args, device)
+        (run_alternating if alternate else run_one_by_one)(args, device, plain)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ GPTLM over model/gpt.py, theirs is `lm_eval --model hf --model_args pretrained=D
 make the two comparable: <|endoftext|> before every context (add_bos_token=True, as our add_bos), the
 checkpoint's block_size as max_length, log-softmax in fp32 (softmax_dtype; ours always takes it in fp32)
 and the same weight dtype. Prints, per task, every request's log-likelihood pair that differs by more than
---tol (largest first, up to --show), the largest and mean difference, greedy-flag disagreements, and every
-metric of both side by side; exits 1 when a log-likelihood differs by more than --tol or an accuracy by
-more than one item. --json keeps every request's pair.
+--tol + --rtol x |log-likelihood| (largest first, up to --show), the largest and mean difference,
+greedy-flag disagreements, and every metric of both side by side; exits 1 when a log-likelihood differs by
+more than that or an accuracy by more than one item. --json keeps every request's pair.
 """
 import argparse
 import json
@@ -45,6 +45,8 @@ def parse(argv):
     p.add_argument("--batch-tokens", type=int, default=16384, help="our adapter's padded tokens per batch")
     p.add_argument("--tol", type=float, default=None, help="largest allowed |log-likelihood difference| "
                    "(default: 1e-3 for bf16, 1e-4 for fp32)")
+    p.add_argument("--rtol", type=float, default=1e-6, help="allowed difference per unit of |log-likelihood| on "
+                   "top of --tol: a long request sums hundreds of token log-probabilities, each rounded")
     p.add_argument("--show", type=int, default=10, help="differing requests printed per task")
     p.add_argument("--offline", default="auto", choices=["auto", "true", "false"],
                    help="local task copies (as lm_eval.offline): auto = when the Hub does not answer")
@@ -89,7 +91,7 @@ def loglikelihood(resp):
     return (float(resp), None) if isinstance(resp, (int, float)) else (None, None)
 
 
-def report(task, pairs, ours, theirs, tol, show):
+def report(task, pairs, ours, theirs, tol, rtol, show):
     """Print one task's comparison; return the number of failed checks."""
     scored, texts = [], 0
     for doc, i, a, b in pairs:
@@ -99,11 +101,11 @@ def report(task, pairs, ours, theirs, tol, show):
         else:
             scored.append((abs(la - lb), doc, i, la, lb, ga != gb))
     scored.sort(key=lambda row: -row[0])
-    over = [row for row in scored if row[0] > tol]
+    over = [row for row in scored if row[0] > tol + rtol * max(abs(row[3]), abs(row[4]))]
     line = f"\n== {task}: {len(pairs)} requests"
     if scored:
         line += (f", max |d ll| {scored[0][0]:.3g}, mean {sum(r[0] for r in scored) / len(scored):.3g}, "
-                 f"over {tol:g}: {len(over)}, greedy flags differ: {sum(r[5] for r in scored)}")
+                 f"over {tol:g} + {rtol:g} |ll|: {len(over)}, greedy flags differ: {sum(r[5] for r in scored)}")
     print(line + (f", generations differ: {texts}" if texts else ""))
     for diff, doc, i, la, lb, _ in over[:show]:
         print(f"   doc {doc} request {i}: ours {la:.6f}  hf {lb:.6f}  diff {la - lb:+.3g}")
@@ -145,8 +147,8 @@ def compare(args):
         ours, theirs = evaluate(ours_lm, names, args, manager), evaluate(theirs_lm, names, args, manager)
     pairs = request_pairs(ours, theirs)
     print(f"ours: {args.ckpt} (model/gpt.py) | hf: {args.hf} (lm-eval hf backend) | {args.dtype} on "
-          f"{args.device} | limit {args.limit}, {args.num_fewshot}-shot | tolerance {tol:g}")
-    failed = sum(report(task, pairs[task], ours, theirs, tol, args.show) for task in pairs)
+          f"{args.device} | limit {args.limit}, {args.num_fewshot}-shot | tolerance {tol:g} + {args.rtol:g} |ll|")
+    failed = sum(report(task, pairs[task], ours, theirs, tol, args.rtol, args.show) for task in pairs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({task: [{"doc_id": d, "request": i, "ours": a, "hf": b} for d, i, a, b in rows]

@@ -69,15 +69,17 @@ def lookahead_keys(qu, ku, vu, t, window=None, scale=None):
     return torch.where(allowed, torch.sigmoid(scale * qu[..., :t, :] @ ku[..., :t, :].mT), 0.0) @ vu[..., :t, :]
 
 
-def recurrent(qc, kc, vc, qu, ku, vu, window=None, scale=None):
-    """The recurrent definition (§2.2): for every t rebuild U^t from eq (3), then eqs (5)-(8). fp64, O(L^3 d)."""
+def recurrent(qc, kc, vc, qu, ku, vu, window=None, scale=None, silu=True):
+    """The recurrent definition (§2.2): for every t rebuild U^t from eq (3), then eqs (5)-(8). fp64, O(L^3 d).
+    The ablations (§5.2): kc None drops s^C, silu=False takes s^U for SiLU(s^U) in eq (7)."""
     L, D = qc.shape[-2:]
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty_like(qc)
     for t in range(1, L + 1):
         ut = lookahead_keys(qu, ku, vu, t, window, scale)
         q = qc[..., t - 1:t, :]
-        score = scale * q @ kc[..., :t, :].mT - F.silu(scale * q @ ut.mT)
+        s_u = scale * q @ ut.mT
+        score = (0.0 if kc is None else scale * q @ kc[..., :t, :].mT) - (F.silu(s_u) if silu else s_u)
         out[..., t - 1:t, :] = torch.softmax(score, dim=-1) @ vc[..., :t, :]
     return out
 
@@ -183,9 +185,11 @@ def test_gradcheck_reference():
 
 
 def _fwd_bwd(fn, xs, go):
-    xs = [x.detach().clone().requires_grad_() for x in xs]
+    """(out, gradients of the inputs); an input given as None (kc without causal keys) gets None."""
+    xs = [x if x is None else x.detach().clone().requires_grad_() for x in xs]
     out = fn(*xs)
-    return out, torch.autograd.grad(out, xs, go.to(out.dtype))
+    grads = iter(torch.autograd.grad(out, [x for x in xs if x is not None], go.to(out.dtype)))
+    return out, [None if x is None else next(grads) for x in xs]
 
 
 @pytest.mark.parametrize("L,bs,scale", [(1, 4, None), (13, 4, None), (13, 4, 0.3), (16, 4, None), (23, 8, None)])
@@ -490,17 +494,20 @@ def test_triton_saved_state(window):
 # UQ-KV cache: prefill + decode
 
 
-def _decode_all(xs, prompt, window, max_len=None, scale=None, impl="auto"):
-    """Prefill `prompt` positions, then decode the rest one at a time; checks the cache at every step."""
-    out, cache = castle_prefill(*[x[..., :prompt, :] for x in xs], window=window, scale=scale, max_len=max_len)
+def _decode_all(xs, prompt, window, max_len=None, scale=None, impl="auto", silu=None):
+    """Prefill `prompt` positions, then decode the rest one at a time; checks the cache at every step.
+    xs[1] None: no causal keys (the cache then holds none)."""
+    out, cache = castle_prefill(*[x if x is None else x[..., :prompt, :] for x in xs], window=window, scale=scale,
+                                silu=silu, max_len=max_len)
     outs = [out]
     u_dtype = torch.float64 if xs[0].dtype == torch.float64 else torch.float32
     for t in range(prompt, xs[0].shape[-2]):
-        o, nxt = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs], impl=impl)
+        o, nxt = castle_decode(cache, *[x if x is None else x[..., t:t + 1, :] for x in xs], impl=impl)
         assert nxt is cache                                                # updated in place
         outs.append(o)
         assert isinstance(cache, CastleCache) and cache.length == t + 1 <= cache.capacity
-        assert cache.u.shape == cache.kc.shape == cache.vc.shape and cache.u.dtype == u_dtype
+        assert cache.u.shape == cache.vc.shape and cache.u.dtype == u_dtype
+        assert cache.kc is None if xs[1] is None else cache.kc.shape == cache.vc.shape
         assert cache.u[..., -1, :].abs().max() == 0                       # u^t_t = 0
         assert cache.qu.shape[-2] == (t + 1 if window is None else min(t + 1, window))
         assert torch.equal(cache.qu[..., -1:, :], xs[3][..., t:t + 1, :]) or window == 0
@@ -595,7 +602,7 @@ def test_prefill_into_a_given_cache():
         assert torch.equal(castle_decode(cache, *one)[0], castle_decode(own, *one)[0])
     with pytest.raises(ValueError, match="empty cache"):
         castle_prefill(*xs, cache=cache)
-    with pytest.raises(ValueError, match="no window, scale or max_len"):
+    with pytest.raises(ValueError, match="no window, scale, silu or max_len"):
         castle_prefill(*xs, window=4, cache=CastleCache(2, 3, 8, max_len=12, dtype=torch.float64, device="cpu"))
 
 
@@ -668,12 +675,173 @@ def test_prefill_decode_low_precision(dtype, tol, window):
 
 
 # ----------------------------------------------------------------------------------------------------
+# The ablations of §5.2: no causal keys (kc=None, Table 5) and no SiLU gate (silu=False, Table 10)
+
+ABLATIONS = [(False, True), (True, False), (False, False)]   # (causal_keys, silu); (True, True) is CASTLE
+
+
+def ablated(xs, causal_keys):
+    """The six inputs with kc dropped (None) without causal keys."""
+    return [xs[0], xs[1] if causal_keys else None, *xs[2:]]
+
+
+def _errs(g, gref):
+    """Relative errors of the gradients the reference has (none for an absent kc)."""
+    assert [a is None for a in g] == [b is None for b in gref]
+    return [rel(a, b) for a, b in zip(g, gref) if b is not None]
+
+
+def _double(xs):
+    return [x if x is None else x.double() for x in xs]
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("window", [None, 0, 1, 4, 13])
+def test_ablation_parallel_matches_recurrent(causal_keys, silu, window):
+    """Invariant 1 for the ablations: the parallel form equals eqs (3)-(8) with s^C dropped or SiLU removed."""
+    xs = ablated(inputs(2, 2, 12, 4), causal_keys)
+    out = castle_attn(*xs, window=window, silu=silu, impl="torch")
+    assert rel(out, recurrent(*xs, window=window, silu=silu)) < 1e-13
+
+
+def test_ablation_limits():
+    """Without lookahead keys (V^U = 0): no SiLU is still plain causal attention, no causal keys the mean of
+    the values so far (every logit 0). With them, each flag changes the output."""
+    qc, kc, vc, qu, ku, vu = inputs(2, 3, 9, 4)
+    zero = torch.zeros_like(vu)
+    causal = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True)
+    assert rel(castle_attn(qc, kc, vc, qu, ku, zero, silu=False, impl="torch"), causal) < 1e-13
+    mean = vc.cumsum(-2) / torch.arange(1, 10, dtype=vc.dtype)[:, None]
+    assert rel(castle_attn(qc, None, vc, qu, ku, zero, impl="torch"), mean) < 1e-13
+    full = castle_attn(qc, kc, vc, qu, ku, vu, impl="torch")
+    for causal_keys, silu in ABLATIONS:
+        out = castle_attn(*ablated([qc, kc, vc, qu, ku, vu], causal_keys), silu=silu, impl="torch")
+        assert rel(out, full) > 1e-2
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+def test_ablation_gradcheck_reference(causal_keys, silu):
+    """Invariant 6: autograd of the ablated parallel form is a correct gradient oracle."""
+    for window in (None, 1):
+        xs = inputs(1, 1, 5, 3, grad=True)[: 6 if causal_keys else 5]
+
+        def fn(*a):
+            return castle_attn(*(a if causal_keys else (a[0], None, *a[1:])), window=window, silu=silu,
+                               impl="torch")
+
+        assert torch.autograd.gradcheck(fn, xs)
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("L,bs,window", [(1, 4, None), (13, 4, None), (13, 4, 3), (16, 4, 0), (23, 8, 9)])
+def test_ablation_blockwise_matches_reference(causal_keys, silu, L, bs, window):
+    """Invariant 5 for the PyTorch block algorithm with the ablations: forward and gradients, fp64."""
+    xs = ablated(inputs(2, 2, L, 5), causal_keys)
+    go = torch.randn(2, 2, L, 5, dtype=torch.float64)
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, silu=silu, impl="torch"), xs, go)
+    out, g = _fwd_bwd(lambda *a: attn_blockwise(*a, window, 5 ** -0.5, bs, silu=silu), xs, go)
+    assert rel(out, ref) < 1e-12
+    assert max(_errs(g, gref)) < 1e-11
+
+
+ABLATION_TRITON_CASES = [
+    # L, D, window, config, dtype
+    (37, 32, 5, TILE16, torch.float32),
+    (1, 32, None, TILE16, torch.float32),
+    (37, 32, None, TILE16, torch.float32),
+    (40, 64, 7, TILE32, torch.float32),           # every tile in bounds
+    (21, 96, None, TILE16, torch.float32),        # padded head dim; sigma's scale not a power of two
+    (37, 64, 5, TILE32_16, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("variant", BWD_VARIANTS)
+@pytest.mark.parametrize("L,D,window,cfg,dtype",
+                         [c if i == 0 else slow(*c) for i, c in enumerate(ABLATION_TRITON_CASES)])
+def test_ablation_triton_matches_reference(L, D, window, cfg, dtype, variant, causal_keys, silu):
+    """Invariants 5 and 6 for the kernels with the ablations (constexprs CAUSAL_KEYS, SILU): forward and
+    every gradient vs fp64 autograd, for every backward variant; without causal keys there is no dKc."""
+    cfg = dataclasses.replace(cfg, bwd_variant=variant)
+    xs = ablated(inputs(2, 3, L, D, dtype), causal_keys)
+    go = torch.randn(2, 3, L, D).to(dtype)
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, silu=silu, impl="torch"), _double(xs), go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg, silu=silu), xs, go)
+    assert out.dtype == dtype and all(t is None or t.dtype == dtype for t in g)
+    tol = 2e-6 if dtype == torch.float32 else 1e-2
+    assert rel(out, ref) < tol
+    errs = _errs(g, gref)
+    assert max(errs) < 2 * tol, errs
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+def test_ablation_through_castle_attn_and_compile(causal_keys, silu):
+    """castle_attn(impl="triton") with the flags, eager and under torch.compile (the custom ops take an
+    absent kc and the silu flag): the same output and gradients."""
+    xs = ablated(inputs(1, 2, 21, 32, torch.float32), causal_keys)
+    go = torch.randn(1, 2, 21, 32)
+
+    def fn(*a):
+        return castle_attn(*a, window=3, silu=silu, impl="triton")
+
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=3, silu=silu, impl="torch"), _double(xs), go)
+    out, g = _fwd_bwd(fn, xs, go)
+    assert rel(out, ref) < 2e-6 and max(_errs(g, gref)) < 4e-6
+    torch._dynamo.reset()
+    out_c, g_c = _fwd_bwd(torch.compile(fn, fullgraph=True, backend="aot_eager"), xs, go)
+    assert torch.equal(out_c, out) and max(_errs(g_c, g)) < 1e-6
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("L,window,prompt", [(30, None, 0), (30, None, 5), (30, 3, 1), (30, 0, 3), (70, 20, 66)])
+def test_ablation_prefill_decode_matches_parallel(causal_keys, silu, L, window, prompt):
+    """Invariants 7 and 8 with the ablations: every decoded position equals the parallel output (a prompt
+    of 66 crosses the blockwise prefill's 64-row blocks); U equals eq (3); no K^C is cached without causal
+    keys."""
+    xs = ablated(inputs(2, 2, L, 4), causal_keys)
+    got, cache = _decode_all(xs, prompt, window, silu=silu)
+    assert rel(got, castle_attn(*xs, window=window, silu=silu, impl="torch")) < 1e-13
+    assert rel(cache.u, lookahead_keys(*xs[3:], L, window)) < 1e-13
+    assert cache.causal_keys == causal_keys and cache.silu == silu and (cache.kc_buf is None) != causal_keys
+
+
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("window,prompt,max_len", [(3, 5, 6), slow(None, 21, 24)])
+def test_ablation_decode_triton_matches_parallel(causal_keys, silu, window, prompt, max_len):
+    """The fused decode kernel with the ablations (constexprs CAUSAL_KEYS, SILU) equals the parallel form."""
+    L = 45
+    xs = ablated(inputs(2, 3, L, 8, torch.float32), causal_keys)
+    got, cache = _decode_all(xs, prompt, window, max_len, impl="triton", silu=silu)
+    ref = castle_attn(*_double(xs), window=window, silu=silu, impl="torch")
+    assert rel(got[..., prompt:, :], ref[..., prompt:, :]) < 1e-6
+    assert rel(cache.u, lookahead_keys(*_double(xs[3:]), L, window)) < 1e-6
+    assert torch.equal(cache.vc, xs[2]) and (cache.kc is None) != causal_keys
+
+
+def test_ablation_cache_refuses_the_other_variant():
+    """A cache knows its variant: kc given to a cache without causal keys (or missing for one with them) is
+    refused, as is a silu flag for a given cache (it has its own)."""
+    xs = inputs(1, 2, 4, 8)
+    _, cache = castle_prefill(*ablated([x[..., :2, :] for x in xs], False))
+    with pytest.raises(ValueError, match="kc is a tensor.*causal_keys=False"):
+        castle_decode(cache, *[x[..., 2:3, :] for x in xs])
+    _, cache = castle_prefill(*[x[..., :2, :] for x in xs])
+    with pytest.raises(ValueError, match="kc is None.*causal_keys=True"):
+        castle_decode(cache, *ablated([x[..., 2:3, :] for x in xs], False))
+    given = CastleCache(1, 2, 8, max_len=4, dtype=torch.float64, device="cpu", causal_keys=False)
+    with pytest.raises(ValueError, match="kc is a tensor"):
+        castle_prefill(*xs, cache=given)
+    with pytest.raises(ValueError, match="no window, scale, silu or max_len"):
+        castle_prefill(*ablated(xs, False), silu=False, cache=given)
+
+
+# ----------------------------------------------------------------------------------------------------
 # GPU: the kernels at real shapes in bf16 (skipped without CUDA)
 
 
-def _naive_bf16(qc, kc, vc, qu, ku, vu, window):
+def _naive_bf16(qc, kc, vc, qu, ku, vu, window, silu=True):
     """The parallel form with bf16 matmuls and fp32 elementwise math, as autocast would run it: the
-    accuracy a straightforward bf16 implementation gets on the same inputs."""
+    accuracy a straightforward bf16 implementation gets on the same inputs (kc None: no causal keys)."""
     L, D = qc.shape[-2:]
     scale = D ** -0.5
     idx = torch.arange(L, device=qc.device)
@@ -682,24 +850,26 @@ def _naive_bf16(qc, kc, vc, qu, ku, vu, window):
     a_u = torch.sigmoid(scale * (qu @ ku.mT).float()).masked_fill(~ahead, 0.0)
     r = (scale * (qc @ vu.mT).float()).masked_fill(~causal, 0.0)
     s_u = (r.bfloat16() @ a_u.bfloat16().mT).float()
-    scores = (scale * (qc @ kc.mT).float() - F.silu(s_u)).masked_fill(~causal, float("-inf"))
+    scores = (0.0 if kc is None else scale * (qc @ kc.mT).float()) - (F.silu(s_u) if silu else s_u)
+    scores = scores.masked_fill(~causal, float("-inf"))
     return torch.softmax(scores, dim=-1).bfloat16() @ vc
 
 
-def _gpu_case(B, H, L, D, window, dtype=torch.bfloat16, cfg=None):
-    """Relative errors vs fp64 autograd of the kernels' output and six gradients, and (bf16) those of
-    the naive bf16 computation on the same inputs."""
+def _gpu_case(B, H, L, D, window, dtype=torch.bfloat16, cfg=None, causal_keys=True, silu=True):
+    """Relative errors vs fp64 autograd of the kernels' output and six gradients (five without causal keys),
+    and (bf16) those of the naive bf16 computation on the same inputs."""
     torch.manual_seed(0)
-    xs = inputs(B, H, L, D, dtype, device="cuda")
+    xs = ablated(inputs(B, H, L, D, dtype, device="cuda"), causal_keys)
     go = torch.randn(B, H, L, D, device="cuda").to(dtype)
-    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, impl="torch"), [x.double() for x in xs], go)
-    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg), xs, go)
-    errs = [rel(out, ref)] + [rel(a, b) for a, b in zip(g, gref)]
-    naive = [0.0] * 7
+    ref, gref = _fwd_bwd(lambda *a: castle_attn(*a, window=window, silu=silu, impl="torch"), _double(xs), go)
+    out, g = _fwd_bwd(lambda *a: attn_triton(*a, window, D ** -0.5, cfg, silu=silu), xs, go)
+    errs = [rel(out, ref)] + _errs(g, gref)
+    naive = [0.0] * len(errs)
     if dtype == torch.bfloat16:
-        nout, ng = _fwd_bwd(lambda *a: _naive_bf16(*a, window), xs, go)
-        naive = [rel(nout, ref)] + [rel(a, b) for a, b in zip(ng, gref)]
-    print(f"\nB={B} H={H} L={L} D={D} W={window} {dtype}: out {errs[0]:.2e}  grads "
+        nout, ng = _fwd_bwd(lambda *a: _naive_bf16(*a, window, silu), xs, go)
+        naive = [rel(nout, ref)] + _errs(ng, gref)
+    print(f"\nB={B} H={H} L={L} D={D} W={window} {dtype} causal_keys={causal_keys} silu={silu}: "
+          f"out {errs[0]:.2e}  grads "
           + " ".join(f"{e:.2e}" for e in errs[1:]) + "  | naive bf16: " + " ".join(f"{e:.2e}" for e in naive))
     return errs, naive
 
@@ -765,14 +935,41 @@ def test_gpu_decode_kernel_matches_torch_ops(window):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", [(True, True), *ABLATIONS])
 @pytest.mark.parametrize("window", [None, 100])
-def test_gpu_prefill_decode(window):
-    xs = inputs(1, 2, 300, 64, torch.bfloat16, device="cuda")
-    out, cache = castle_prefill(*[x[..., :290, :] for x in xs], window=window)
-    ref64 = [x.double() for x in xs]
+def test_gpu_prefill_decode(window, causal_keys, silu):
+    """The Triton prefill (which hands its U on to the cache) and the fused decode steps, for CASTLE and
+    the ablations."""
+    xs = ablated(inputs(1, 2, 300, 64, torch.bfloat16, device="cuda"), causal_keys)
+    out, cache = castle_prefill(*[x if x is None else x[..., :290, :] for x in xs], window=window, silu=silu)
+    ref64 = _double(xs)
     assert rel(cache.u, lookahead_keys(*[x.cpu() for x in ref64[3:]], 290, window).cuda()) < 1e-2
     outs = [out]
     for t in range(290, 300):
-        o, cache = castle_decode(cache, *[x[..., t:t + 1, :] for x in xs])
+        o, cache = castle_decode(cache, *[x if x is None else x[..., t:t + 1, :] for x in xs])
         outs.append(o)
-    assert rel(torch.cat(outs, -2), castle_attn(*ref64, window=window, impl="torch")) < 1e-2
+    assert rel(torch.cat(outs, -2), castle_attn(*ref64, window=window, silu=silu, impl="torch")) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+@pytest.mark.parametrize("L,D,window", [(2048, 64, None), (1537, 128, 512), (999, 64, 100), (17, 64, 1)])
+def test_gpu_ablation_triton_bf16(L, D, window, causal_keys, silu):
+    """The ablations' kernels (the default "stored" backward and GPU tiles) at real shapes in bf16."""
+    _assert_bf16(*_gpu_case(1, 4, L, D, window, causal_keys=causal_keys, silu=silu))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
+def test_gpu_ablation_decode_kernel_matches_torch_ops(causal_keys, silu):
+    """The fused decode step of the ablations against the PyTorch-op step on the same caches (bf16, 3000
+    cached positions, SWL W = 700)."""
+    xs = ablated(inputs(2, 9, 3010, 64, torch.bfloat16, device="cuda"), causal_keys)
+    caches = [castle_prefill(*[x if x is None else x[..., :3000, :] for x in xs], window=700, silu=silu)[1]
+              for _ in range(2)]
+    for t in range(3000, 3010):
+        one = [x if x is None else x[..., t:t + 1, :] for x in xs]
+        o_kernel, _ = castle_decode(caches[0], *one, impl="triton")
+        o_torch, _ = castle_decode(caches[1], *one, impl="torch")
+        assert rel(o_kernel, o_torch) < 1e-2
+    assert rel(caches[0].u, caches[1].u) < 1e-3

@@ -42,15 +42,17 @@ def make_inputs(B, H, L, D, dtype=torch.float32, decay="mixed", device=DEV):
 
 
 def run(q, k, v, log_fgate, do=None, **kw):
-    """Output and gradients (q, k, v, log_fgate) for upstream gradient `do` (random by default)."""
-    q, k, v, log_fgate = (x.detach().requires_grad_() for x in (q, k, v, log_fgate))
-    o = forgetting_attn(q, k, v, log_fgate, **kw)
+    """Output and gradients (q, k, v[, log_fgate]) for upstream gradient `do` (random by default);
+    log_fgate None: no gate."""
+    inputs = [x.detach().requires_grad_() for x in (q, k, v, log_fgate) if x is not None]
+    o = forgetting_attn(*inputs[:3], inputs[3] if log_fgate is not None else None, **kw)
     do = torch.randn_like(o) if do is None else do
-    return o, torch.autograd.grad(o, (q, k, v, log_fgate), do), do
+    return o, torch.autograd.grad(o, inputs, do), do
 
 
 def run_fp64(q, k, v, log_fgate, do, **kw):
-    return run(*(x.double() for x in (q, k, v, log_fgate)), do=do.double(), impl="torch", **kw)
+    return run(*(x.double() if x is not None else None for x in (q, k, v, log_fgate)), do=do.double(),
+               impl="torch", **kw)
 
 
 def check(o, grads, o_ref, grads_ref, tol):
@@ -264,6 +266,105 @@ def test_log_fgate_must_be_fp32():
 
 
 # ---------------------------------------------------------------------------------------------
+# Sliding window (Transformer-SWA, arXiv:2503.02130 §F.4) and the ungated kernels
+# ---------------------------------------------------------------------------------------------
+
+def _band_attention(q, k, v, log_fgate, window, scale=None):
+    """fp64 SDPA with an explicit mask: keys i-W+1 .. i, plus the gate bias c_i - c_j if gated."""
+    L = q.shape[-2]
+    d = torch.arange(L, device=q.device)[:, None] - torch.arange(L, device=q.device)[None, :]
+    bias = torch.zeros(L, L, dtype=torch.float64, device=q.device)
+    if log_fgate is not None:
+        c = log_fgate.double().cumsum(-1)
+        bias = c[..., :, None] - c[..., None, :]
+    bias = bias.masked_fill((d < 0) | (d >= window), float("-inf"))
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=bias, scale=scale)
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_window_reference_is_band_attention(gated):
+    """The reference's window: query i attends keys i-W+1 .. i only (W = 1: o = v)."""
+    q, k, v, log_fgate = (x.double() for x in make_inputs(1, 2, 13, 8, device="cpu"))
+    log_fgate = log_fgate if gated else None
+    for window in (1, 4, 13, 20):
+        out = forgetting_attn(q, k, v, log_fgate, window=window, impl="torch")
+        assert rel_err(out, _band_attention(q, k, v, log_fgate, window)) < 1e-12
+    assert rel_err(forgetting_attn(q, k, v, log_fgate, window=1, impl="torch"), v) < 1e-12
+
+
+# windows below, at and above the interpreter's 16-token tile and below, at and above L = 37
+@pytest.mark.parametrize("window,gated", [(1, True), (5, False), (16, True), (23, False), (37, True), (50, False)])
+def test_window_triton_matches_reference(window, gated):
+    """Forward and every gradient of the windowed kernels against the fp64 reference, gated and not."""
+    q, k, v, log_fgate = make_inputs(1, 2, 37, 32)
+    log_fgate = log_fgate if gated else None
+    o, grads, do = run(q, k, v, log_fgate, window=window, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do, window=window)
+    assert len(grads) == (4 if gated else 3)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+
+
+@pytest.mark.skipif(not interpreting(), reason="on a GPU the autotuned tiles run (test_gpu_*)")
+@pytest.mark.parametrize("window", [3, 20])
+def test_window_subtiles(monkeypatch, window):
+    """The GPU's tile shapes (query tiles twice the key sub-tiles): with a window narrower than a
+    sub-tile a row sees no key of a whole masked sub-tile of the diagonal (no NaN from exp2(-inf + inf))."""
+    monkeypatch.setattr(fox_triton, "MAX_BLOCK", 32)
+    monkeypatch.setattr(fox_triton, "C_BLOCK", 32)
+    monkeypatch.setitem(fox_triton.FWD_FIXED, "interpret", dict(BLOCK_M=32, BLOCK_N=16))
+    monkeypatch.setitem(fox_triton.BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=16, BLOCK_LARGE=32))
+    q, k, v, log_fgate = make_inputs(1, 2, 70, 16)
+    o, grads, do = run(q, k, v, log_fgate, window=window, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do, window=window)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+
+
+def test_window_skips_tiles():
+    """The kernels never visit a tile outside the window: NaN in the values of keys 0..15 (tile 0)
+    reaches no output of queries >= 32 (window 4), NaN in the output gradient of queries >= 32 no
+    gradient of keys 0..15; a masked visit would multiply the NaN by 0 and keep it."""
+    q, k, v, log_fgate = make_inputs(1, 2, 48, 16)
+    v[:, :, :16] = float("nan")
+    assert torch.isfinite(forgetting_attn(q, k, v, log_fgate, window=4, impl="triton")[:, :, 32:]).all()
+    q, k, v, log_fgate = (x.requires_grad_() for x in make_inputs(1, 2, 48, 16))
+    do = torch.randn(1, 2, 48, 16, device=DEV)
+    do[:, :, 32:] = float("nan")
+    dk, dv = torch.autograd.grad(forgetting_attn(q, k, v, log_fgate, window=4, impl="triton"), (k, v), do)
+    assert torch.isfinite(dk[:, :, :16]).all() and torch.isfinite(dv[:, :, :16]).all()
+
+
+def test_ungated_is_sdpa():
+    """log_fgate=None is causal softmax attention (the kernels' ungated variant): equals SDPA."""
+    q, k, v, _ = make_inputs(2, 2, 29, 32)
+    o, grads, do = run(q, k, v, None, impl="triton")
+    inputs = [x.double().requires_grad_() for x in (q, k, v)]
+    o_ref = F.scaled_dot_product_attention(*inputs, is_causal=True)
+    check(o, grads, o_ref, torch.autograd.grad(o_ref, inputs, do.double()), 2e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 4])
+def test_window_decode_matches_parallel(chunk):
+    """forgetting_decode with the window over the full cache equals the windowed parallel op."""
+    L, prefill, window = 19, 6, 5
+    q, k, v, log_fgate = (x.double() for x in make_inputs(1, 2, L, 8, device="cpu"))
+    expected = forgetting_attn(q, k, v, log_fgate, window=window, impl="torch")
+    c = fgate_cumsum(log_fgate)
+    outs = [forgetting_attn(q[:, :, :prefill], k[:, :, :prefill], v[:, :, :prefill], log_fgate[..., :prefill],
+                            window=window, impl="torch")]
+    for t in range(prefill, L, chunk):
+        end = min(t + chunk, L)
+        outs.append(forgetting_decode(q[:, :, t:end], k[:, :, :end], v[:, :, :end], c[..., :end], window=window))
+    assert rel_err(torch.cat(outs, 2), expected) < 1e-12
+
+
+@pytest.mark.parametrize("window", [0, -3, 2.5, True])
+def test_window_must_be_positive_int(window):
+    q, k, v, log_fgate = make_inputs(1, 1, 8, 16, device="cpu")
+    with pytest.raises(ValueError, match="window"):
+        forgetting_attn(q, k, v, log_fgate, window=window)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: real shapes
 # ---------------------------------------------------------------------------------------------
 
@@ -275,6 +376,19 @@ def test_gpu_real_shape_bf16(D, decay):
     q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, decay)
     o, grads, do = run(q, k, v, log_fgate)
     o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
+    check(o, grads, o_ref, grads_ref, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [1, 100, 2048, 5000])
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "ungated"])
+def test_gpu_window_bf16(window, gated):
+    """Sliding window, bf16 at L = 4096 (odd windows cut tiles), against the fp32 reference."""
+    q, k, v, log_fgate = make_inputs(1, 16, 4096, 64, torch.bfloat16, "mixed")
+    log_fgate = log_fgate if gated else None
+    o, grads, do = run(q, k, v, log_fgate, window=window)
+    o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), window=window,
+                              impl="torch")
     check(o, grads, o_ref, grads_ref, 1e-2)
 
 

@@ -19,7 +19,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 from data.tokenizer import get_tokenizer
 from evaluation.lm_eval_adapter import data_root
 from model.checkpoint import load_model
-from model.gpt import GPT, GPTConfig, mlp_hidden_size
+from model.gpt import FUSED_OPTIONS, GPT, GPTConfig, mlp_hidden_size
 from model.hf.convert import atomic_dir, checkpoint_dict, read_checkpoint
 from scripts import compare_lm_eval_hf, export_hf, import_hf
 
@@ -34,6 +34,8 @@ VARIANTS = {
     "llama_bias_untied": ("llama", ["model.bias=true", "model.tie_embeddings=false"]),
     "gpt2_no_bias_untied": ("gpt2", ["model.bias=false", "model.tie_embeddings=false"]),
     "castle_rope_qkv": ("castle", ["model.castle_rope=qkv"]),
+    "castle_no_causal_keys": ("castle", ["model.castle_causal_keys=false"]),
+    "castle_swl_no_silu": ("castle_swl", ["model.castle_window=5", "model.castle_silu=false"]),
     "fox_pro_per_head_qk_norm": ("fox_pro", ["model.qk_norm_shared=false"]),
     "fox_llama_bias_only": ("fox_llama", ["model.fgate=bias_only"]),
     "fox_pro_fixed": ("fox_pro", ["model.fgate=fixed", "model.fgate_tmin=2", "model.fgate_tmax=64"]),
@@ -176,7 +178,8 @@ def test_format_custom_and_stock(exported, tmp_path):
 def test_custom_config_defaults_are_gptconfigs():
     """modeling_attn_lm.py cannot import model/gpt.py: its copy of GPTConfig's fields must not drift."""
     from model.hf.modeling_attn_lm import MODEL_DEFAULTS
-    assert MODEL_DEFAULTS == {f.name: f.default for f in fields(GPTConfig) if f.name != "tie_embeddings"}
+    assert MODEL_DEFAULTS == {f.name: f.default for f in fields(GPTConfig)
+                              if f.name not in ("tie_embeddings", *FUSED_OPTIONS)}   # HF runs unfused
 
 
 def test_tokenizer_encodes_real_text_like_tiktoken(exported):

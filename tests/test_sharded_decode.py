@@ -32,6 +32,9 @@ VARIANTS = {
     "transformer_pro": dict(attention="baseline", **LLAMA, **PRO),
     "castle": dict(attention="castle", **LLAMA),
     "castle_swl": dict(attention="castle_swl", castle_window=3, **LLAMA),
+    # the ablations of CASTLE (arXiv:2509.07301 §5.2): no causal keys (no K^C cached), no SiLU gate
+    "castle_no_causal_keys": dict(attention="castle", castle_causal_keys=False, **LLAMA),
+    "castle_swl_no_silu": dict(attention="castle_swl", castle_window=3, castle_silu=False, **LLAMA),
 }
 # (prompt length, new tokens, prefill chunk): a prompt longer than one shard fed in chunks that
 # do not divide by the world size; and a one-token prompt, which leaves every rank but 0 empty,

@@ -8,12 +8,16 @@ Per head, with s = scale = d ** -0.5 used exactly as in eqs (11)/(12):
 
 Public API (tensors are (B, H, L, D); fp32/bf16 in, same dtype out, fp32 math inside):
 
-    castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
-    castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None, cache=None)
+    castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=True, impl="auto")
+    castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=None, max_len=None, cache=None)
         -> (out, CastleCache)
     castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto") -> (out, CastleCache)   one position, in place
-    CastleCache(batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None)
+    CastleCache(batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
+                causal_keys=True, silu=True)
         the UQ-KV cache of one layer; with a process group, this rank's share of it (decode.py)
+
+The ablations of §5.2 (reference.lookahead_logit states their logits): kc=None, CASTLE without causal keys
+(Table 5: softmax(-SiLU(S^U)), no W^C_K); silu=False, s^C - s^U instead of s^C - SiLU(s^U) (Table 10).
 
 castle_attn's impl:
     "torch"     the parallel form (Theorem 1), L x L matrices and an L x L x L product (O(L^3)); the

@@ -10,11 +10,15 @@ A cache made with a process group holds only this rank's positions (round robin,
 rank runs the same tokens, and a decode step merges the ranks' partial attention exactly by tree attention
 (kernels/tree.py). Without a group it holds every position, and a step runs in PyTorch ops or as one
 Triton kernel.
+
+The ablations of arXiv:2509.07301 §5.2 (reference.lookahead_logit) are properties of the cache: one made with
+causal_keys=False holds no K^C (a UQ-V cache; prefill and decode then take kc=None), one made with
+silu=False scores s^C - s^U.
 """
 import torch
 import torch.nn.functional as F
 
-from kernels.castle.reference import blockwise_forward, check_inputs, to_blocks
+from kernels.castle.reference import blockwise_forward, check_inputs, lookahead_logit, to_blocks
 from kernels.castle.triton import default_config, triton_forward
 from kernels.sdpa import decode_sdpa
 from kernels.tree import RoundRobinRows, tree_decode
@@ -46,21 +50,24 @@ class CastleCache(RoundRobinRows):
     that grows a buffer goes stale.
 
     u_buf:  lookahead keys U, fp32 (fp64 for fp64 inputs); the newest position's row is zero (eq (13)).
-    kc_buf, vc_buf: causal keys and values, input dtype.
+    kc_buf, vc_buf: causal keys and values, input dtype (kc_buf None without causal keys).
     qu_buf: lookahead queries Q^U, input dtype, holding only the rows read again, i.e. the owners the next
             token reaches (eq (13): every earlier position for CASTLE, the last W for SWL; of these, the
             ones held here), at rows [qu_end - n, qu_end). When full, it moves the rows still needed to
             the front if they fill at most half of it, else it doubles: SWL's stays under max(4W, 16)
             rows, CASTLE's grows like the others.
-    length: positions of all ranks; window, scale: CASTLE-SWL's W (None: CASTLE) and the logit scale.
+    length: positions of all ranks; window, scale: CASTLE-SWL's W (None: CASTLE) and the logit scale;
+    causal_keys, silu: False for the ablations (module docstring).
     """
 
-    def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None):
+    def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
+                 causal_keys=True, silu=True):
         super().__init__(group, device)
         rows = self.max_rows(max_len)
         self.u_buf = torch.empty(batch, heads, rows, head_dim, dtype=at_least_fp32(dtype), device=device)
         self.kc_buf, self.vc_buf = (torch.empty(batch, heads, rows, head_dim, dtype=dtype, device=device)
-                                    for _ in range(2))
+                                    if keep else None for keep in (causal_keys, True))
+        self.silu = silu
         qu_rows = rows if window is None else min(rows, 2 * window)
         self.qu_buf = torch.empty(batch, heads, qu_rows, head_dim, dtype=dtype, device=device)
         self.qu_end = 0
@@ -70,7 +77,11 @@ class CastleCache(RoundRobinRows):
     @property
     def capacity(self):
         """Local rows the U, K^C, V^C buffers hold before they grow."""
-        return self.kc_buf.shape[-2]
+        return self.vc_buf.shape[-2]
+
+    @property
+    def causal_keys(self):
+        return self.kc_buf is not None
 
     def owners(self, t):
         """How many positions before position t have a lookahead key that token t adds to (eq 13)."""
@@ -86,7 +97,7 @@ class CastleCache(RoundRobinRows):
 
     @property
     def kc(self):
-        return self.kc_buf[..., : self.n_local, :]
+        return self.kc_buf[..., : self.n_local, :] if self.causal_keys else None
 
     @property
     def vc(self):
@@ -101,7 +112,7 @@ class CastleCache(RoundRobinRows):
         """Room for `rows` local rows in the U, K^C, V^C buffers: a full buffer doubles (or grows to rows)."""
         if rows > self.capacity:
             n, new_rows = self.n_local, max(rows, _doubled(self.capacity))
-            self.u_buf, self.kc_buf, self.vc_buf = (_grown(b, n, new_rows)
+            self.u_buf, self.kc_buf, self.vc_buf = (b if b is None else _grown(b, n, new_rows)
                                                     for b in (self.u_buf, self.kc_buf, self.vc_buf))
 
     def _qu_keep(self):
@@ -147,33 +158,36 @@ class CastleCache(RoundRobinRows):
 
     def append(self, qu, kc, vc):
         """Store position `length` on the rank that holds it: u = 0 (eq (13)), and q^U, k^C, v^C given as
-        (B, H, 1, D); every rank counts it. Call after add_lookahead (which reads the owners' Q^U)."""
+        (B, H, 1, D) (kc None without causal keys); every rank counts it. Call after add_lookahead (which
+        reads the owners' Q^U)."""
         t = self.length
         if self.owns(t):
             row = self.n_local
             self.reserve(row + 1)
             self.u_buf[..., row, :] = 0
-            self.kc_buf[..., row: row + 1, :] = kc
+            if self.causal_keys:
+                self.kc_buf[..., row: row + 1, :] = kc
             self.vc_buf[..., row: row + 1, :] = vc
             self.push_qu(qu, written=False)
         self.length = t + 1
 
     def lookahead_bias(self, qc):
         """The lookahead part of the logits of query q^C (B, H, 1, D) for every cached position held here,
-        -SiLU(s q^C . u_j) (eqs (6), (7)): (B, H, 1, n_local) in U's dtype."""
-        return -F.silu(self.scale * (qc.to(self.u_buf.dtype) @ self.u.mT))
+        -SiLU(s q^C . u_j) (eqs (6), (7); -s q^C . u_j without the gate): (B, H, 1, n_local) in U's dtype."""
+        return lookahead_logit(self.scale * (qc.to(self.u_buf.dtype) @ self.u.mT), self.silu)
 
     def extend(self, u, qu, kc, vc):
         """Append positions length .. length + T - 1 given as whole (B, H, T, D) tensors; the rank keeps
         its rows. u holds their lookahead keys as they stand after the last of them: extend fills a cache
         (castle_prefill, a benchmark's synthetic one), it does not add these positions to the keys of
         earlier ones."""
-        T = kc.shape[-2]
+        T = vc.shape[-2]
         start, end = self.length, self.length + T
         chunk, rows = self.local_rows(start, T)
         self.reserve(rows.stop)
         for buf, x in ((self.u_buf, u), (self.kc_buf, kc), (self.vc_buf, vc)):
-            buf[..., rows, :] = x[..., chunk, :]
+            if buf is not None:
+                buf[..., rows, :] = x[..., chunk, :]
         # Q^U rows the next token reaches: the newest of those cached before and of this chunk's
         n, new = self._owner_rows(end), qu[..., chunk, :]
         older = n - new.shape[-2]
@@ -187,36 +201,45 @@ class CastleCache(RoundRobinRows):
         self.qu_end, self.length = n, end
 
 
-def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None, cache=None):
+def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=None, max_len=None, cache=None):
     """Attention over a prompt of L positions (B, H, L, D) and the UQ-KV cache after it (Algorithm 4). The
     block forward (Triton on CUDA, blockwise PyTorch otherwise) also folds the last block into its U state,
     which then is U^L: Algorithm 4's U for free. max_len: positions (prompt included) to preallocate the
     cache for; decoding past it still works (the buffers double). cache: an empty CastleCache to fill
-    instead of a new one (window, scale and max_len are then its own); with a process group every rank
-    computes the whole prompt and keeps its rows."""
-    if cache is not None and (cache.length or (window, scale, max_len) != (None, None, None)):
-        raise ValueError("castle_prefill(cache=...) fills an empty cache, with the window, scale and capacity "
-                         "it was made with; pass a fresh cache and no window, scale or max_len")
+    instead of a new one (window, scale, silu and max_len are then its own); with a process group every rank
+    computes the whole prompt and keeps its rows. kc None: no causal keys; silu: the gate (default on); both
+    as in castle_attn."""
+    if cache is not None and (cache.length or (window, scale, silu, max_len) != (None, None, None, None)):
+        raise ValueError("castle_prefill(cache=...) fills an empty cache, with the window, scale, silu and "
+                         "capacity it was made with; pass a fresh cache and no window, scale, silu or max_len")
     check_inputs(qc, kc, vc, qu, ku, vu, window if cache is None else cache.window)
     B, H, L, D = qc.shape
     if cache is None:
         cache = CastleCache(B, H, D, max_len=max(L, max_len or 0), dtype=qc.dtype, device=qc.device,
-                            window=window, scale=scale)
-    window, scale = cache.window, cache.scale
+                            window=window, scale=scale, causal_keys=kc is not None, silu=silu is not False)
+    _check_variant(cache, kc)
+    window, scale, silu = cache.window, cache.scale, cache.silu
     cdt = at_least_fp32(qc.dtype)
     if L == 0:
         out, u = torch.empty_like(qc), qc.new_zeros(B, H, 0, D, dtype=cdt)
     elif qc.is_cuda and triton is not None and qc.dtype != torch.float64:
         cfg = default_config(padded_head_dim(D), qc.dtype)
-        out, _, u = triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L)
+        out, _, u = triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t=L, silu=silu)
         u = u.view(B, H, -1, u.shape[-1])[:, :, :L, :D]
     else:
         bs = 64
-        blocks = [to_blocks(t.to(cdt), bs) for t in (qc, kc, vc, qu, ku, vu)]
-        out, _, u = blockwise_forward(*blocks, window, scale, bs, keep_last=True)
+        blocks = [t if t is None else to_blocks(t.to(cdt), bs) for t in (qc, kc, vc, qu, ku, vu)]
+        out, _, u = blockwise_forward(*blocks, window, scale, bs, keep_last=True, silu=silu)
         out, u = out.flatten(2, 3)[:, :, :L].to(qc.dtype), u.flatten(2, 3)[:, :, :L]
     cache.extend(u, qu, kc, vc)
     return out, cache
+
+
+def _check_variant(cache, kc):
+    """kc must be None exactly when the cache has no causal keys."""
+    if (kc is None) == cache.causal_keys:
+        raise ValueError(f"kc is {'None' if kc is None else 'a tensor'}, but this CASTLE cache was made with "
+                         f"causal_keys={cache.causal_keys}; pass kc=None exactly when the cache has no causal keys")
 
 
 def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
@@ -232,10 +255,11 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     process group, tree attention over the ranks' rows with that bias in fp32 (torch only); "auto" takes
     "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded."""
     check_inputs(qc, kc, vc, qu, ku, vu, cache.window)
+    _check_variant(cache, kc)
     if qc.shape[-2] != 1:
         raise ValueError(f"castle_decode takes one position at a time, got {qc.shape[-2]}; "
                          "feed a longer prompt to castle_prefill")
-    held = cache.kc_buf
+    held = cache.vc_buf
     if (qc.shape[:2], qc.shape[-1], qc.device) != (held.shape[:2], held.shape[-1], held.device):
         raise ValueError(f"the new position is (B, H, 1, D) = {tuple(qc.shape)} on {qc.device}, but the cache "
                          f"holds (B, H, D) = {(*held.shape[:2], held.shape[-1])} on {held.device}; decode with "
@@ -243,7 +267,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     if impl not in ("auto", "torch", "triton"):
         raise ValueError(f"impl={impl!r} is unknown; choose auto, torch or triton")
     if impl == "auto":
-        tracked = torch.is_grad_enabled() and any(x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
+        tracked = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
         fused = qc.is_cuda and triton is not None and qc.dtype != torch.float64 and not tracked
         impl = "triton" if fused and cache.world == 1 else "torch"
     if impl == "triton":
@@ -251,10 +275,13 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     cache.add_lookahead(ku, vu)                                              # eq (13)
     cache.append(qu, kc, vc)
     bias = cache.lookahead_bias(qc)                                          # eqs (6), (7)
+    q, k = qc, cache.kc
+    if not cache.causal_keys:   # logits = bias alone: a zero query scores s^C = 0 against any keys (V^C's)
+        q, k = torch.zeros_like(qc), cache.vc
     if cache.world == 1:
-        out = decode_sdpa(qc, cache.kc, cache.vc, attn_mask=_sdpa_mask(bias, qc.dtype), scale=cache.scale)
+        out = decode_sdpa(q, k, cache.vc, attn_mask=_sdpa_mask(bias, qc.dtype), scale=cache.scale)
     else:
-        out = tree_decode(qc, cache.kc, cache.vc, group=cache.group, scale=cache.scale, bias_local=bias)
+        out = tree_decode(q, k, cache.vc, group=cache.group, scale=cache.scale, bias_local=bias)
     return out, cache                                                        # eqs (5), (7), (8)
 
 
@@ -275,6 +302,7 @@ if triton is not None:
         U, QUB, KCB, VCB, PART, QC, sqc_b, sqc_h, KC, skc_b, skc_h, VC, svc_b, svc_h, QU, squ_b, squ_h,
         KU, sku_b, sku_h, VU, svu_b, svu_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split,
         scale: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
+        CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr,
     ):
         """Program (head bh, split): cached positions [split * per_split, ...) of the new position t, BT at
         a time. Owners j (t - n_owners <= j < t) take the token into their lookahead key, u_j += sigma(s
@@ -284,13 +312,15 @@ if triton is not None:
         split holding t writes the position's rows: u_t = 0, k^C_t, v^C_t, and q^U_t at qu_row (if >= 0).
         U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH, qu_rows, D), position j at row
         j - qu_shift; the new position's six vectors come with their own (batch, head) strides (views of
-        the model's projections, some rotated, need no copy)."""
+        the model's projections, some rotated, need no copy). CAUSAL_KEYS, SILU: off for the ablations (module
+        docstring); without causal keys KCB and KC are never read."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
         dmask = offs_d < HEAD_DIM
         qc = _head_vector(QC, sqc_b, sqc_h, bh, H, offs_d, dmask).to(tl.float32) * scale
-        kc_t = _head_vector(KC, skc_b, skc_h, bh, H, offs_d, dmask).to(tl.float32)
+        if CAUSAL_KEYS:
+            kc_t = _head_vector(KC, skc_b, skc_h, bh, H, offs_d, dmask).to(tl.float32)
         vc_t = _head_vector(VC, svc_b, svc_h, bh, H, offs_d, dmask).to(tl.float32)
         ku_t = _head_vector(KU, sku_b, sku_h, bh, H, offs_d, dmask).to(tl.float32) * scale
         vu_t = _head_vector(VU, svu_b, svu_h, bh, H, offs_d, dmask).to(tl.float32)
@@ -316,10 +346,18 @@ if triton is not None:
                 u = tl.where(owner, u + w[:, None] * vu_t[None, :], u)
                 tl.store(U + ptr, u, mask=owner)
             new = (j == t)[:, None]
-            kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
+            if CAUSAL_KEYS:
+                kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
             vc = tl.where(new, vc_t[None, :], tl.load(VCB + ptr, mask=cached, other=0.0).to(tl.float32))
             s_u = tl.sum(qc[None, :] * u, 1)                                                # eq (6)
-            sc = (tl.sum(qc[None, :] * kc, 1) - s_u * tl.sigmoid(s_u)) * LOG2E             # eqs (5), (7)
+            if CAUSAL_KEYS:
+                sc = tl.sum(qc[None, :] * kc, 1)                                            # eq (5)
+            else:
+                sc = tl.zeros([BT], dtype=tl.float32)
+            if SILU:
+                sc = (sc - s_u * tl.sigmoid(s_u)) * LOG2E                                   # eq (7)
+            else:
+                sc = (sc - s_u) * LOG2E
             sc = tl.where(j < end, sc, float("-inf"))
             m_new = tl.maximum(m, tl.max(sc, 0))
             p = tl.exp2(sc - m_new)
@@ -331,7 +369,8 @@ if triton is not None:
         if (start <= t) & (t < end):                     # the new position's own rows (eq (13))
             row = c_base + t * HEAD_DIM + offs_d
             tl.store(U + row, tl.zeros([BLOCK_D], dtype=tl.float32), mask=dmask)
-            tl.store(KCB + row, kc_t.to(KCB.dtype.element_ty), mask=dmask)
+            if CAUSAL_KEYS:
+                tl.store(KCB + row, kc_t.to(KCB.dtype.element_ty), mask=dmask)
             tl.store(VCB + row, vc_t.to(VCB.dtype.element_ty), mask=dmask)
             if qu_row >= 0:
                 qu_t = _head_vector(QU, squ_b, squ_h, bh, H, offs_d, dmask)
@@ -392,9 +431,11 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     if qc.dtype == torch.float64:
         raise ValueError("castle_decode(impl='triton') computes in fp32; for fp64 inputs use impl='torch'")
     cache.reserve(cache.length + 1)
-    if not all(b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
+    if not all(b is None or b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
         raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
                          "CastleCache make them); use impl='torch' for others")
+    # without causal keys the kernel reads no K^C: any pointer stands in for kc and its buffer
+    kc, kc_buf = (qc, cache.vc_buf) if kc is None else (kc, cache.kc_buf)
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
     B, H, _, D = qc.shape
     block_d = padded_head_dim(D)
@@ -403,10 +444,10 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     rows, per_split, splits = _decode_tiles(t + 1, B * H, block_d, qc.device)
     part = torch.empty(B * H, splits, block_d + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
-        cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
+        cache.u_buf, cache.qu_buf, kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
         H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
         -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
-        num_warps=2,
+        CAUSAL_KEYS=cache.causal_keys, SILU=cache.silu, num_warps=2,
     )
     cache.push_qu(qu, written=slot is not None)
     cache.length = t + 1

@@ -29,19 +29,19 @@ def _config_from_key(key):
 
 
 @torch.library.custom_op("castle::triton_fwd", mutates_args=())
-def _triton_fwd_op(qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, qu: torch.Tensor, ku: torch.Tensor,
-                   vu: torch.Tensor, window: Optional[int], scale: float,
+def _triton_fwd_op(qc: torch.Tensor, kc: Optional[torch.Tensor], vc: torch.Tensor, qu: torch.Tensor,
+                   ku: torch.Tensor, vu: torch.Tensor, window: Optional[int], scale: float, silu: bool,
                    cfg_key: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> out, lse, and the U the backward starts from (empty for "stored", which rebuilds it)."""
     cfg = _config_from_key(cfg_key)
     L = qc.shape[-2]
     save_t = (triton.cdiv(L, cfg.m_bwd) - 1) * cfg.m_bwd  # start of the backward's last row block
-    out, lse, u = triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t)
+    out, lse, u = triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t, silu)
     return out, lse, _u_kept(u, cfg)
 
 
 @_triton_fwd_op.register_fake
-def _(qc, kc, vc, qu, ku, vu, window, scale, cfg_key):
+def _(qc, kc, vc, qu, ku, vu, window, scale, silu, cfg_key):
     cfg = _config_from_key(cfg_key)
     out, lse, u = forward_buffers(qc, cfg)
     return out, lse, _u_kept(u, cfg)
@@ -53,46 +53,55 @@ def _u_kept(u, cfg):
 
 
 @torch.library.custom_op("castle::triton_bwd", mutates_args=())
-def _triton_bwd_op(do: torch.Tensor, qc: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, qu: torch.Tensor,
-                   ku: torch.Tensor, vu: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, u: torch.Tensor,
-                   window: Optional[int], scale: float, cfg_key: str) -> list[torch.Tensor]:
-    """-> dqc, dkc, dvc, dqu, dku, dvu, contiguous, in the inputs' dtype."""
-    return list(triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u if u.numel() else None, window, scale,
-                                 _config_from_key(cfg_key)))
+def _triton_bwd_op(do: torch.Tensor, qc: torch.Tensor, kc: Optional[torch.Tensor], vc: torch.Tensor,
+                   qu: torch.Tensor, ku: torch.Tensor, vu: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   u: torch.Tensor, window: Optional[int], scale: float, silu: bool,
+                   cfg_key: str) -> list[torch.Tensor]:
+    """-> dqc, dkc, dvc, dqu, dku, dvu, contiguous, in the inputs' dtype (dkc empty without causal keys: ops
+    return tensors)."""
+    grads = triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u if u.numel() else None, window, scale,
+                            _config_from_key(cfg_key), silu)
+    return [qc.new_empty(0) if g is None else g for g in grads]
 
 
 @_triton_bwd_op.register_fake
-def _(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg_key):
-    return [t.new_empty(t.shape) for t in (qc, kc, vc, qu, ku, vu)]
+def _(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, silu, cfg_key):
+    return [qc.new_empty(0) if t is None else t.new_empty(t.shape) for t in (qc, kc, vc, qu, ku, vu)]
 
 
 def _save_for_backward(ctx, inputs, output):
-    *xs, window, scale, cfg_key = inputs
+    *xs, window, scale, silu, cfg_key = inputs
     ctx.save_for_backward(*xs, *output)
-    ctx.window, ctx.scale, ctx.cfg_key = window, scale, cfg_key
+    ctx.window, ctx.scale, ctx.silu, ctx.cfg_key = window, scale, silu, cfg_key
+    ctx.causal_keys = xs[1] is not None
 
 
 def _triton_fwd_op_backward(ctx, do, _dlse, _du):
-    grads = _triton_bwd_op(do, *ctx.saved_tensors, ctx.window, ctx.scale, ctx.cfg_key)
-    return (*grads, None, None, None)
+    grads = _triton_bwd_op(do, *ctx.saved_tensors, ctx.window, ctx.scale, ctx.silu, ctx.cfg_key)
+    if not ctx.causal_keys:
+        grads[1] = None
+    return (*grads, None, None, None, None)
 
 
 _triton_fwd_op.register_autograd(_triton_fwd_op_backward, setup_context=_save_for_backward)
 
 
-def attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None):
-    """The Triton kernels, differentiable; cfg: the tiles (default: default_config's)."""
+def attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None, silu=True):
+    """The Triton kernels, differentiable; cfg: the tiles (default: default_config's); kc None: no causal
+    keys."""
     require_triton("impl='triton'", "use impl='blockwise' or 'torch' without it")
     if qc.shape[-1] > 128:
         raise ValueError(f"the Triton kernels take head dims up to 128, got {qc.shape[-1]}; "
                          "use impl='blockwise' or a smaller head_dim")
     cfg = cfg or default_config(padded_head_dim(qc.shape[-1]), qc.dtype)
     assert cfg.m_fwd % cfg.n_fwd == 0 and cfg.m_bwd % cfg.n_bwd == 0 and cfg.m_fwd % cfg.m_bwd == 0, cfg
-    return _triton_fwd_op(qc, kc, vc, qu, ku, vu, window, scale, _config_key(cfg))[0]
+    return _triton_fwd_op(qc, kc, vc, qu, ku, vu, window, scale, silu, _config_key(cfg))[0]
 
 
-def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto"):
-    """CASTLE (window=None) or CASTLE-SWL (window=W) attention; inputs (B, H, L, D) -> (B, H, L, D)."""
+def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=True, impl="auto"):
+    """CASTLE (window=None) or CASTLE-SWL (window=W) attention; inputs (B, H, L, D) -> (B, H, L, D).
+    The ablations of arXiv:2509.07301 §5.2: kc=None, no causal keys (Table 5); silu=False, the logits
+    s^C - s^U (Table 10); reference.lookahead_logit states both."""
     check_inputs(qc, kc, vc, qu, ku, vu, window)
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is unknown; choose one of {IMPLS}")
@@ -102,8 +111,8 @@ def castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, impl="auto")
     if impl == "auto":
         impl = "triton" if qc.is_cuda and triton is not None and qc.dtype != torch.float64 else "torch"
     if impl == "torch":
-        return attn_parallel(qc, kc, vc, qu, ku, vu, window, scale)
+        return attn_parallel(qc, kc, vc, qu, ku, vu, window, scale, silu)
     if impl == "blockwise":
-        return attn_blockwise(qc, kc, vc, qu, ku, vu, window, scale)
-    return attn_triton(qc, kc, vc, qu, ku, vu, window, scale)
+        return attn_blockwise(qc, kc, vc, qu, ku, vu, window, scale, silu=silu)
+    return attn_triton(qc, kc, vc, qu, ku, vu, window, scale, silu=silu)
 

@@ -7,6 +7,10 @@ sqrt(d) once more: a typo; eqs (6), (11), (12) agree on one factor s):
     S^U   = (s * Qc Vu^T, causal) @ A_U^T                                   (strictly lower triangular)
     out   = softmax(s * Qc Kc^T - SiLU(S^U), causal) @ Vc                  eqs (10)-(12)
 
+Two ablations of CASTLE (arXiv:2509.07301) §5.2 ride on every entry point: kc=None removes the causal keys
+(Table 5; the logits are then -SiLU(S^U) alone, see lookahead_logit) and silu=False drops the SiLU gate
+(Table 10: s * Qc Kc^T - S^U).
+
     attn_parallel   L x L matrices and an L x L x L product (O(L^3)); the reference, differentiable by
                     autograd in any dtype (fp64 in the tests).
     attn_blockwise  the O(L^2 d) block algorithm of Theorem 2 (Appendix 8): the paper's anti-diagonal sweep,
@@ -24,14 +28,29 @@ from kernels.triton_utils import at_least_fp32
 
 
 def check_inputs(qc, kc, vc, qu, ku, vu, window):
+    """kc may be None: CASTLE without causal keys."""
     if qc.dim() != 4:
         raise ValueError(f"CASTLE expects (B, H, L, D) tensors, got shape {tuple(qc.shape)}")
     for name, t in zip(("kc", "vc", "qu", "ku", "vu"), (kc, vc, qu, ku, vu)):
+        if t is None and name == "kc":
+            continue
         if t.shape != qc.shape or t.dtype != qc.dtype or t.device != qc.device:
             raise ValueError(f"{name} is {tuple(t.shape)} {t.dtype} on {t.device}; all six inputs must match "
                              f"qc: {tuple(qc.shape)} {qc.dtype} on {qc.device}")
     if not (window is None or (isinstance(window, int) and window >= 0)):
         raise ValueError(f"window must be None (CASTLE) or an int >= 0 (CASTLE-SWL), got {window!r}")
+
+
+def lookahead_logit(s_u, silu):
+    """The lookahead keys' share of the logits: -SiLU(S^U) (eq (12)), or -S^U without the gate (silu=False,
+    the "w/o SiLU" ablation of Table 10, which the paper leaves as s^C - s^U).
+
+    Without causal keys (kc=None, Table 5) this is the whole logit: softmax(-SiLU(S^U) + M^C). The paper
+    states no formula for that variant; dropping s^C from eq (7) is the one reading that removes W^C_K
+    alone (6 matrices per head, so 7 heads carry the parameters of 6 CASTLE heads, as Table 5 has it) and
+    leaves the lookahead path exactly as CASTLE has it. Note that the newest position then always scores 0
+    (its lookahead key is zero) and earlier ones at most 0.28 (the minimum of -SiLU)."""
+    return -F.silu(s_u) if silu else -s_u
 
 
 def window_or_len(window, L):
@@ -43,9 +62,9 @@ def window_or_len(window, L):
 # The parallel form (Theorem 1, eqs 10-12)
 
 
-def attn_parallel(qc, kc, vc, qu, ku, vu, window, scale):
+def attn_parallel(qc, kc, vc, qu, ku, vu, window, scale, silu=True):
     dtype, L = qc.dtype, qc.shape[-2]
-    qc, kc, vc, qu, ku, vu = (t.to(at_least_fp32(dtype)) for t in (qc, kc, vc, qu, ku, vu))
+    qc, kc, vc, qu, ku, vu = (None if t is None else t.to(at_least_fp32(dtype)) for t in (qc, kc, vc, qu, ku, vu))
     idx = torch.arange(L, device=qc.device)
     causal = idx[:, None] >= idx[None, :]                                # (query t, key j)
     ahead = idx[:, None] < idx[None, :]                                  # (owner j, contributor i)
@@ -54,7 +73,10 @@ def attn_parallel(qc, kc, vc, qu, ku, vu, window, scale):
     a_u = torch.sigmoid(scale * qu @ ku.mT).masked_fill(~ahead, 0.0)
     r = (scale * qc @ vu.mT).masked_fill(~causal, 0.0)
     s_u = r @ a_u.mT                                                     # eq (11)
-    scores = (scale * qc @ kc.mT - F.silu(s_u)).masked_fill(~causal, float("-inf"))
+    scores = lookahead_logit(s_u, silu)
+    if kc is not None:
+        scores = scores + scale * qc @ kc.mT
+    scores = scores.masked_fill(~causal, float("-inf"))
     return (torch.softmax(scores, dim=-1) @ vc).to(dtype)               # eq (12)
 
 
@@ -79,8 +101,13 @@ def _last_sigma_diagonal(n, bs, window):
     return n - 1 if window is None else (bs - 1 + window) // bs
 
 
-def blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
-    """Blocked inputs (B, H, N, bs, D) in compute dtype -> out, lse (B, H, N, bs), u.
+def _causal_logit(qc, kc, a, b, scale):
+    """s * Qc_a Kc_b^T of the tiles (a, b); 0 without causal keys (kc None)."""
+    return 0.0 if kc is None else scale * qc[:, :, a] @ kc[:, :, b].mT
+
+
+def blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last, silu=True):
+    """Blocked inputs (B, H, N, bs, D) in compute dtype (kc may be None) -> out, lse (B, H, N, bs), u.
 
     u[:, :, b] holds the lookahead keys of block b at the start of the row block being processed (the
     paper's D^{(k)}, eqs (21)-(24), transposed). On return it holds them at the start of the last row
@@ -102,8 +129,8 @@ def blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
             if not keep_last:
                 upd[:, :, -1] = 0.0                                      # the tile in the last row block
             u[:, :, b] += upd
-        sc = scale * qc[:, :, a] @ kc[:, :, b].mT - F.silu(s)            # eq (19)
-        if k == 0:
+        sc = _causal_logit(qc, kc, a, b, scale) + lookahead_logit(s, silu)
+        if k == 0:                                                       # eq (19)
             sc = sc.masked_fill(~tril, float("-inf"))
         m_new = torch.maximum(m[:, :, a], sc.amax(-1))                   # online softmax (Algorithm 2)
         alpha = torch.exp(m[:, :, a] - m_new)
@@ -114,15 +141,15 @@ def blockwise_forward(qc, kc, vc, qu, ku, vu, window, scale, bs, keep_last):
     return acc / denom[..., None], m + torch.log(denom), u
 
 
-def blockwise_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, bs):
+def blockwise_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, bs, silu=True):
     """Algorithm 3 (eqs 25-39) in reverse anti-diagonal order; u (state at the start of the last row block) is
-    consumed."""
+    consumed. kc None (no causal keys): its gradient is None."""
     n = qc.shape[2]
     tril = torch.ones(bs, bs, dtype=torch.bool, device=qc.device).tril()
     r = (scale * qc @ vu.mT).masked_fill(~tril, 0.0)
     delta = (do * out).sum(-1)
     du = torch.zeros_like(u)
-    dqc, dkc, dvc, dqu, dku, dvu = (torch.zeros_like(t) for t in (qc, kc, vc, qu, ku, vu))
+    dqc, dkc, dvc, dqu, dku, dvu = (None if t is None else torch.zeros_like(t) for t in (qc, kc, vc, qu, ku, vu))
     for k in range(n - 1, -1, -1):
         a, b = slice(k, n), slice(0, n - k)
         in_window = k <= _last_sigma_diagonal(n, bs, window)
@@ -138,16 +165,20 @@ def blockwise_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, b
         s = scale * qc[:, :, a] @ u[:, :, b].mT if k > 0 else 0.0
         if in_window:
             s = s + r[:, :, a] @ sig.mT
-        sc = scale * qc[:, :, a] @ kc[:, :, b].mT - F.silu(s)
+        sc = _causal_logit(qc, kc, a, b, scale) + lookahead_logit(s, silu)
         if k == 0:
             sc = sc.masked_fill(~tril, float("-inf"))
         p = torch.exp(sc - lse[:, :, a, :, None])                        # eq (25)
         da = p * (do[:, :, a] @ vc[:, :, b].mT - delta[:, :, a, :, None])  # eqs (26), (28)
-        sg = torch.sigmoid(s)                                            # (k = 0 is always in the window)
-        ds = -da * sg * (1 + s * (1 - sg))                                # eq (29)
+        if silu:                                                         # (k = 0 is always in the window)
+            sg = torch.sigmoid(s)
+            ds = -da * sg * (1 + s * (1 - sg))                            # eq (29)
+        else:
+            ds = -da
         dvc[:, :, b] += p.mT @ do[:, :, a]                                # eq (27)
-        dkc[:, :, b] += scale * da.mT @ qc[:, :, a]                       # eq (30)
-        dqc[:, :, a] += scale * da @ kc[:, :, b]
+        if kc is not None:
+            dkc[:, :, b] += scale * da.mT @ qc[:, :, a]                   # eq (30)
+            dqc[:, :, a] += scale * da @ kc[:, :, b]
         if k > 0:
             dqc[:, :, a] += scale * ds @ u[:, :, b]
             du[:, :, b] += scale * ds.mT @ qc[:, :, a]
@@ -165,21 +196,22 @@ class CastleBlockwise(torch.autograd.Function):
     """attn_blockwise as an autograd function: blockwise_forward, and blockwise_backward for the gradients."""
 
     @staticmethod
-    def forward(ctx, qc, kc, vc, qu, ku, vu, window, scale, bs):
-        blocks = [to_blocks(t.to(at_least_fp32(qc.dtype)), bs) for t in (qc, kc, vc, qu, ku, vu)]
-        out, lse, u = blockwise_forward(*blocks, window, scale, bs, keep_last=False)
+    def forward(ctx, qc, kc, vc, qu, ku, vu, window, scale, bs, silu):
+        blocks = [t if t is None else to_blocks(t.to(at_least_fp32(qc.dtype)), bs) for t in (qc, kc, vc, qu, ku, vu)]
+        out, lse, u = blockwise_forward(*blocks, window, scale, bs, keep_last=False, silu=silu)
         ctx.save_for_backward(*blocks, out, lse, u)
-        ctx.window, ctx.scale, ctx.bs, ctx.L, ctx.dtype = window, scale, bs, qc.shape[-2], qc.dtype
+        ctx.window, ctx.scale, ctx.bs, ctx.L, ctx.dtype, ctx.silu = window, scale, bs, qc.shape[-2], qc.dtype, silu
         return out.flatten(2, 3)[:, :, : ctx.L].to(qc.dtype)
 
     @staticmethod
     def backward(ctx, do):
         *blocks, out, lse, u = ctx.saved_tensors
         do = to_blocks(do.to(out.dtype), ctx.bs)
-        grads = blockwise_backward(do, *blocks, out, lse, u.clone(), ctx.window, ctx.scale, ctx.bs)
-        return (*(g.flatten(2, 3)[:, :, : ctx.L].to(ctx.dtype) for g in grads), None, None, None)
+        grads = blockwise_backward(do, *blocks, out, lse, u.clone(), ctx.window, ctx.scale, ctx.bs, ctx.silu)
+        return (*(g if g is None else g.flatten(2, 3)[:, :, : ctx.L].to(ctx.dtype) for g in grads),
+                None, None, None, None)
 
 
-def attn_blockwise(qc, kc, vc, qu, ku, vu, window, scale, bs=64):
+def attn_blockwise(qc, kc, vc, qu, ku, vu, window, scale, bs=64, silu=True):
     """The block algorithm on bs-row blocks, differentiable; same dtype out as in."""
-    return CastleBlockwise.apply(qc, kc, vc, qu, ku, vu, window, scale, bs)
+    return CastleBlockwise.apply(qc, kc, vc, qu, ku, vu, window, scale, bs, silu)

@@ -38,6 +38,8 @@ How the kernels schedule the block algorithm (equivalent to the paper's anti-dia
   * CASTLE-SWL: tiles whose sigma block is all zero (every contributor of the row block beyond the window
     of every owner of the key block) skip the sigma work, the local term and the U update; only Qc U_c^T
     and the causal part remain there (S^U stays dense below the diagonal).
+  * The ablations (arXiv:2509.07301 §5.2; kernels/castle/reference.py lookahead_logit): kc=None (no causal
+    keys: no Qc Kc^T, no dKc) and silu=False (-S^U for -SiLU(S^U)), constexprs of the same kernels.
   * Memory beyond the inputs: O (L x d), logsumexp (L), U (L x d fp32; kept for the backward only by "fused"
     and "split"), fp32 gradient accumulators, E per row block (L x m fp32), and for "stored" the dS strips (4
     per SM, L x n each, capped at a quarter of the free memory).
@@ -144,6 +146,15 @@ if triton is not None:
         else:
             g = x * -0.5
             return g - g * _tanh_approx(g)
+
+    @triton.jit
+    def _lookahead_logit(s, SILU: tl.constexpr, DT: tl.constexpr):
+        """The lookahead keys' share of the logits of scaled S^U = s: -SiLU(s), or -s without the gate (the
+        ablation of Table 10; kernels/castle/reference.py lookahead_logit)."""
+        if SILU:
+            return _neg_silu(s, DT)
+        else:
+            return -s
 
     @triton.jit
     def _silu_and_sigmoid(s, scale: tl.constexpr, DT: tl.constexpr):
@@ -281,8 +292,11 @@ if triton is not None:
         stride_b, stride_h, stride_l, H, L, NR, W, save_t, HEAD_GROUP, scale: tl.constexpr,
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, ASM: tl.constexpr, STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
-        IN_BOUNDS: tl.constexpr,
+        IN_BOUNDS: tl.constexpr, CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr,
     ):
+        # CAUSAL_KEYS, SILU: off for the ablations of arXiv:2509.07301 Tables 5 and 10 (no s^C; -S^U for
+        # -SiLU(S^U)); as constexprs they leave CASTLE's own kernel as it is. Without causal keys KC is
+        # never read.
         # SYNC[bh * NR + r] counts the U blocks row program r of head bh has written; SYNC[-1] hands out
         # tickets: ticket -> (head, row block), each head's row blocks in increasing order, HEAD_GROUP heads
         # taking turns, so that their last (longest) rows start together rather than one head's after
@@ -328,7 +342,8 @@ if triton is not None:
             mask_c = (rows_c[:, None] < L) & dmask
             ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
             qu_c = _load_tile(QU + ptr_c, mask_c, IN_BOUNDS).to(DT)
-            kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
+            if CAUSAL_KEYS:
+                kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
             vc_c = _load_tile(VC + ptr_c, mask_c, IN_BOUNDS).to(DT)
             u_ptr = u_base + rows_c[:, None] * BLOCK_D + offs_d[None, :]
             last_row = _last_row_block(c, W, NR, BM, BN)
@@ -354,7 +369,10 @@ if triton is not None:
                         tl.atomic_add(u_ptr, upd, sem="relaxed")
                     _block_barrier(step, ASM)
                     tl.atomic_xchg(flags + a, step + 1, sem="release", scope="gpu")
-            sc = tl.dot(qc_a, tl.trans(kc_c), _neg_silu(s, DT), input_precision=PREC)        # eq (19)
+            if CAUSAL_KEYS:                                                               # eq (19)
+                sc = tl.dot(qc_a, tl.trans(kc_c), _lookahead_logit(s, SILU, DT), input_precision=PREC)
+            else:
+                sc = _lookahead_logit(s, SILU, DT)
             sc = _causal(sc, a, c, BM, BN, ASM)
             # online softmax (Algorithm 2) in base 2: the scores take log2(e) in the exponent's FMA
             m_new = tl.maximum(m, tl.max(sc, 1))
@@ -375,7 +393,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BLOCK_D: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         DS_MODE: tl.constexpr, ROW_GUARD: tl.constexpr, SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr,
-        ASM: tl.constexpr, IN_BOUNDS: tl.constexpr,
+        ASM: tl.constexpr, IN_BOUNDS: tl.constexpr, CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr,
     ):
         """The backward of key block c of head bh: walks the row blocks a = NR-1 .. own block of c, or,
         without SIGMA_GRADS (no dU to carry), up from the own block of c.
@@ -392,7 +410,7 @@ if triton is not None:
         1 also stores it in this program's (NR*BM, BN) strip of DS at ds_slot, leaving E to the pass that reads
         it back; 2 loads dS from there instead of recomputing the scores (then U is not needed at all) and
         forms E; its row loop then runs software-pipelined with SIGMA_STAGES stages (Triton prefetches the next
-        step's tiles)."""
+        step's tiles). CAUSAL_KEYS, SILU: as in castle_fwd_kernel (without causal keys no dKc)."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
         g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
@@ -408,7 +426,8 @@ if triton is not None:
         ptr_c = off + rows_c[:, None] * stride_l + offs_d[None, :]
         qu_c = _half_scaled(_load_tile(QU + ptr_c, mask_c, IN_BOUNDS), scale, SIGMA_PRE, DT)
         if DS_MODE != 2:
-            kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
+            if CAUSAL_KEYS:
+                kc_c = _load_tile(KC + ptr_c, mask_c, IN_BOUNDS).to(DT)
             vc_c = _load_tile(VC + ptr_c, mask_c, IN_BOUNDS).to(DT)
         last_row = _last_row_block(c, W, NR, BM, BN)
         own_row = c // (BM // BN)                                 # the row block holding key block c
@@ -483,22 +502,35 @@ if triton is not None:
                         u += tl.dot(sig, tl.trans(vu_t), input_precision=PREC)               # eq (23)
                     # Scores (eq 19) and their gradients (eqs 25-29, 27); every (m x n) fp32 tile dies as
                     # soon as it can (SiLU'(S) before the softmax, dVc before dP): the peak is three.
-                    silu, sg = _silu_and_sigmoid(s, scale, DT)
-                    sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - silu
-                    dsilu = sg + silu * (1.0 - sg)
+                    if SILU:
+                        silu, sg = _silu_and_sigmoid(s, scale, DT)
+                    else:
+                        silu = s * scale                        # the logit takes -S^U, whose derivative is 1
+                    if CAUSAL_KEYS:
+                        sc = tl.dot(qc_a, tl.trans(kc_c), input_precision=PREC) * scale - silu
+                    else:
+                        sc = -silu
+                    if SILU:
+                        dsilu = sg + silu * (1.0 - sg)
                     sc = _causal(sc, a, c, BM, BN, ASM)
                     p = tl.exp2(sc * LOG2E - lse_a[:, None])                               # eq (25)
                     if CAUSAL_GRADS:
                         dvc += tl.dot(tl.trans(p.to(DT)), do_a, input_precision=PREC)       # eq (27)
                     dp = tl.dot(do_a, tl.trans(vc_c), input_precision=PREC)                 # eq (26)
                     da = p * (dp - delta_a[:, None])                                        # eq (28)
-                    ds = (-da * dsilu).to(DT)                                               # eq (29)
+                    if SILU:
+                        ds = (-da * dsilu).to(DT)                                           # eq (29)
+                    else:
+                        ds = (-da).to(DT)
                     if DS_MODE == 1:
                         tl.store(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], ds)
                     if CAUSAL_GRADS:
-                        da = da.to(DT)
-                        dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)             # eq (30), dQc
-                        dqc_a = tl.dot(da, kc_c, input_precision=PREC)
+                        if CAUSAL_KEYS:
+                            da = da.to(DT)
+                            dkc += tl.dot(tl.trans(da), qc_a, input_precision=PREC)         # eq (30), dQc
+                            dqc_a = tl.dot(da, kc_c, input_precision=PREC)
+                        else:
+                            dqc_a = tl.zeros([BM, BLOCK_D], dtype=tl.float32)
                         if after:
                             dqc_a += tl.dot(ds, u_t, input_precision=PREC)
                 if DS_MODE != 1 and in_window:  # a pass that stores dS leaves E to the one that reads it back
@@ -531,7 +563,8 @@ if triton is not None:
 
         gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
         if CAUSAL_GRADS:
-            tl.store(DKC + gc_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
+            if CAUSAL_KEYS:
+                tl.store(DKC + gc_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
             tl.store(DVC + gc_ptr, dvc.to(DVC.dtype.element_ty), mask=mask_c)
         if SIGMA_GRADS:
             tl.store(DQU + gc_ptr, (dqu * (scale * scale)).to(DQU.dtype.element_ty), mask=mask_c)
@@ -545,6 +578,7 @@ if triton is not None:
         DT: tl.constexpr, PREC: tl.constexpr, CAUSAL_GRADS: tl.constexpr, SIGMA_GRADS: tl.constexpr,
         STORED: tl.constexpr, FINISH: tl.constexpr, HEAD_GROUP: tl.constexpr, ROW_GUARD: tl.constexpr,
         SIGMA_STAGES: tl.constexpr, SIGMA_PRE: tl.constexpr, ASM: tl.constexpr, IN_BOUNDS: tl.constexpr,
+        CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr,
     ):
         """Programs draw tickets (SYNC[NSLOTS] hands them out): tickets below NBH*NC are (head, key block)
         work items; with FINISH (the variant's last launch) NBH*NR more finish (head, row block) items.
@@ -572,19 +606,19 @@ if triton is not None:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, True, False, 1, ROW_GUARD,
-                            SIGMA_STAGES, SIGMA_PRE, ASM, IN_BOUNDS)
+                            SIGMA_STAGES, SIGMA_PRE, ASM, IN_BOUNDS, CAUSAL_KEYS, SILU)
                 tl.debug_barrier()   # the strip is written by every thread and read back by others
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, ds_slot, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, False, True, 2, ROW_GUARD,
-                            SIGMA_STAGES, SIGMA_PRE, ASM, IN_BOUNDS)
+                            SIGMA_STAGES, SIGMA_PRE, ASM, IN_BOUNDS, CAUSAL_KEYS, SILU)
                 tl.debug_barrier()   # every read of the strip done before the next ticket may overwrite it
                 tl.atomic_xchg(SYNC + slot, t // NSLOTS + 1, sem="release", scope="gpu")
             else:
                 _bwd_column(bh, c, QC, KC, VC, QU, KU, VU, DO, LSE, DELTA, U, DQC, DKC, DVC, DQU, DKU, DVU,
                             E, DS, 0, stride_b, stride_h, stride_l, H, L, NR, W, scale, lse_rows,
                             HEAD_DIM, BM, BN, BLOCK_D, DT, PREC, CAUSAL_GRADS, SIGMA_GRADS, 0, ROW_GUARD, 1,
-                            SIGMA_PRE, ASM, IN_BOUNDS)
+                            SIGMA_PRE, ASM, IN_BOUNDS, CAUSAL_KEYS, SILU)
             if FINISH:
                 tl.debug_barrier()   # every thread's adds issued before the release publishes them
                 tl.atomic_add(done + bh, 1, sem="release", scope="gpu")
@@ -683,15 +717,17 @@ def in_bounds(L, m, D, block_d):
     return L % m == 0 and D == block_d
 
 
-def _tile_constexprs(D, block_d, dt, scale, L, m, n):
+def _tile_constexprs(D, block_d, dt, scale, L, m, n, causal_keys, silu):
     """The constexprs the forward and the backward kernels share, for tiles of m rows and n keys."""
     return dict(HEAD_DIM=D, BM=m, BN=n, BLOCK_D=block_d, DT=dt, PREC=_precision(dt), ASM=not interpreting(),
-                SIGMA_PRE=sigma_prescaled(scale), IN_BOUNDS=in_bounds(L, m, D, block_d))
+                SIGMA_PRE=sigma_prescaled(scale), IN_BOUNDS=in_bounds(L, m, D, block_d), CAUSAL_KEYS=causal_keys,
+                SILU=silu)
 
 
-def fwd_constexprs(D, block_d, cfg, dt, scale, L):
+def fwd_constexprs(D, block_d, cfg, dt, scale, L, causal_keys=True, silu=True):
     """The forward kernel's constexprs (scripts/castle_regs.py compiles it with them too)."""
-    return dict(_tile_constexprs(D, block_d, dt, scale, L, cfg.m_fwd, cfg.n_fwd), STAGES=cfg.stages_fwd)
+    return dict(_tile_constexprs(D, block_d, dt, scale, L, cfg.m_fwd, cfg.n_fwd, causal_keys, silu),
+                STAGES=cfg.stages_fwd)
 
 
 def fwd_head_group(cfg, L):
@@ -700,9 +736,11 @@ def fwd_head_group(cfg, L):
     return max(1, min(cfg.head_group_fwd, 32768 // L))
 
 
-def triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
-    """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}."""
-    qc, kc, vc, qu, ku, vu = _same_strides([qc, kc, vc, qu, ku, vu])
+def triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t, silu=True):
+    """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}.
+    kc None: no causal keys."""
+    causal_keys = kc is not None
+    qc, kc, vc, qu, ku, vu = _same_strides([qc, kc if causal_keys else qc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
     block_d = padded_head_dim(D)
     nr = triton.cdiv(L, cfg.m_fwd)
@@ -712,7 +750,8 @@ def triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
     castle_fwd_kernel[(B * H * nr,)](
         qc, kc, vc, qu, ku, vu, out, lse, u, sync,
         qc.stride(0), qc.stride(1), qc.stride(2), H, L, nr, window_or_len(window, L), save_t,
-        fwd_head_group(cfg, L), scale, **fwd_constexprs(D, block_d, cfg, dt, scale, L), num_warps=cfg.warps_fwd,
+        fwd_head_group(cfg, L), scale, **fwd_constexprs(D, block_d, cfg, dt, scale, L, causal_keys, silu),
+        num_warps=cfg.warps_fwd,
         num_stages=1,
     )
     return out, lse, u
@@ -723,12 +762,12 @@ def triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t):
 BWD_HEAD_GROUP = 8
 
 
-def bwd_kernels(variant, D, block_d, cfg, dt, scale, L, windowed=False):
+def bwd_kernels(variant, D, block_d, cfg, dt, scale, L, windowed=False, causal_keys=True, silu=True):
     """[(label, kernel, constexprs)] of the launches of one backward variant (scripts/castle_regs.py
     reads it too)."""
-    consts = dict(_tile_constexprs(D, block_d, dt, scale, L, cfg.m_bwd, cfg.n_bwd), CAUSAL_GRADS=True,
-                  SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=BWD_HEAD_GROUP, ROW_GUARD=cfg.row_guard,
-                  SIGMA_STAGES=1 if windowed else cfg.stages_bwd)
+    consts = dict(_tile_constexprs(D, block_d, dt, scale, L, cfg.m_bwd, cfg.n_bwd, causal_keys, silu),
+                  CAUSAL_GRADS=True, SIGMA_GRADS=True, STORED=False, FINISH=True, HEAD_GROUP=BWD_HEAD_GROUP,
+                  ROW_GUARD=cfg.row_guard, SIGMA_STAGES=1 if windowed else cfg.stages_bwd)
     if variant == "fused":
         return [("all", castle_bwd_kernel, consts)]
     if variant == "stored":
@@ -766,9 +805,11 @@ def strip_count(work, wanted, strip_bytes, free_bytes):
     return max(1, min(work, wanted, int(STRIP_MEMORY_SHARE * free_bytes) // strip_bytes))
 
 
-def triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg):
-    """u: the U the forward saved for the backward; None for "stored", which rebuilds it."""
-    qc, kc, vc, qu, ku, vu = _same_strides([qc, kc, vc, qu, ku, vu])
+def triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg, silu=True):
+    """u: the U the forward saved for the backward; None for "stored", which rebuilds it. kc None (no
+    causal keys): dkc is None."""
+    causal_keys = kc is not None
+    qc, kc, vc, qu, ku, vu = _same_strides([qc, kc if causal_keys else qc, vc, qu, ku, vu])
     B, H, L, D = qc.shape
     block_d = padded_head_dim(D)
     nr, nc = triton.cdiv(L, cfg.m_bwd), triton.cdiv(L, cfg.n_bwd)
@@ -790,7 +831,8 @@ def triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg)
         ds_dtype = torch.float32 if dt == tl.float32 else qc.dtype
         strips = ds_strips(qc.device, B * H * nc, nr * cfg.m_bwd * cfg.n_bwd * ds_dtype.itemsize)
         ds = torch.empty(strips, nr * cfg.m_bwd, cfg.n_bwd, device=qc.device, dtype=ds_dtype)
-    for _, kernel, consts in bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, scale, L, window is not None):
+    for _, kernel, consts in bwd_kernels(cfg.bwd_variant, D, block_d, cfg, dt, scale, L, window is not None,
+                                         causal_keys, silu):
         sync = torch.zeros(strips + 1 + B * H, dtype=torch.int32, device=qc.device)  # strips, ticket, heads
         kernel[(B * H * (nc + nr * consts["FINISH"]),)](
             qc, kc, vc, qu, ku, vu, do, lse, delta, lse if u is None else u,  # lse: a pointer never read
@@ -799,4 +841,4 @@ def triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg)
             lse.shape[1], **consts, num_warps=cfg.warps_bwd, num_stages=1,
         )
     dqc, dku, dvu = outs
-    return dqc, dkc, dvc, dqu, dku, dvu
+    return dqc, dkc if causal_keys else None, dvc, dqu, dku, dvu

@@ -11,33 +11,37 @@ class ForgettingAttnTriton(torch.autograd.Function):
     padded_head_dim); outputs and gradients sliced back."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, scale):
+    def forward(ctx, q, k, v, log_fgate, scale, window):
         L, D = q.shape[-2:]
         Lp = fox_triton.padded_length(L)
         Dp = padded_head_dim(D)
         q, k, v = (fox_triton.pad(x, Lp, Dp) for x in (q, k, v))
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        c_parts = fox_triton.split_c(log_fgate, Lp)
-        o, lse2 = fox_triton.triton_fwd(q, k, v, c_parts, scale)
-        ctx.save_for_backward(q, k, v, *c_parts, o, lse2)
-        ctx.scale, ctx.L, ctx.D, ctx.gate_dtype = scale, L, D, log_fgate.dtype
+        c_parts = fox_triton.split_c(log_fgate, Lp) if log_fgate is not None else ()
+        o, lse2 = fox_triton.triton_fwd(q, k, v, c_parts or None, scale, window)
+        ctx.save_for_backward(q, k, v, o, lse2, *c_parts)
+        ctx.scale, ctx.window, ctx.L, ctx.D = scale, window, L, D
+        ctx.gate_dtype = log_fgate.dtype if log_fgate is not None else None
         return o[..., :L, :D]
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, c_offsets, c_blocks, o, lse2 = ctx.saved_tensors
+        q, k, v, o, lse2, *c_parts = ctx.saved_tensors
         L, D = ctx.L, ctx.D
         do = fox_triton.pad(do, *o.shape[-2:]).contiguous()
-        dq, dk, dv, dcq, dck = fox_triton.triton_bwd(q, k, v, (c_offsets, c_blocks), o, lse2, do, ctx.scale)
-        dlog_fgate = fox_triton.gate_grad(dcq, dck, L, ctx.gate_dtype)
-        return dq[..., :L, :D], dk[..., :L, :D], dv[..., :L, :D], dlog_fgate, None
+        dq, dk, dv, dcq, dck = fox_triton.triton_bwd(q, k, v, c_parts or None, o, lse2, do, ctx.scale, ctx.window)
+        dlog_fgate = fox_triton.gate_grad(dcq, dck, L, ctx.gate_dtype) if c_parts else None
+        return dq[..., :L, :D], dk[..., :L, :D], dv[..., :L, :D], dlog_fgate, None, None
 
 
-def check_inputs(q, k, v, log_fgate):
+def check_inputs(q, k, v, log_fgate, window):
     if not (q.shape == k.shape == v.shape and q.dim() == 4):
         raise ValueError(f"q, k, v must share one (B, H, L, D) shape, got {q.shape}, {k.shape}, {v.shape}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_window(window)
+    if log_fgate is None:
+        return
     if log_fgate.shape != q.shape[:3]:
         raise ValueError(f"log_fgate must be (B, H, L) = {tuple(q.shape[:3])}, got {tuple(log_fgate.shape)}")
     if log_fgate.dtype not in (torch.float32, torch.float64):
@@ -45,21 +49,29 @@ def check_inputs(q, k, v, log_fgate):
         raise TypeError(f"log_fgate must be float32 (compute logsigmoid in fp32), got {log_fgate.dtype}")
 
 
-def forgetting_attn(q, k, v, log_fgate, *, scale=None, impl="auto"):
+def check_window(window):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window={window!r} must be None (full causal attention) or an integer >= 1")
+
+
+def forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, impl="auto"):
     """Causal Forgetting Attention; returns (B, H, L, D) in q's dtype.
 
     q, k, v: (B, H, L, D) in fp32, bf16 or fp16 (fp64 too with impl="torch").
     log_fgate: (B, H, L) float32, log of the forget gate (<= 0); its fp32 cumsum is never formed.
+               None: no gate, i.e. plain causal softmax attention (the kernels' ungated variant).
     scale: logit scale, default D ** -0.5 (it does not multiply the gate bias).
+    window: None (every earlier position) or W >= 1: query i sees keys i-W+1 .. i only (sliding
+            window); the Triton kernels skip the key tiles outside it.
     impl: "auto" (Triton on CUDA, torch elsewhere), "torch" (materialized reference) or
           "triton" (on CPU only under TRITON_INTERPRET=1).
     """
-    check_inputs(q, k, v, log_fgate)
+    check_inputs(q, k, v, log_fgate, window)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton is not None else "torch"
     if impl == "torch":
-        return reference_attn(q, k, v, log_fgate, scale)
+        return reference_attn(q, k, v, log_fgate, scale, window)
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
     require_triton("impl='triton'", "use impl='torch' without it")
@@ -67,4 +79,4 @@ def forgetting_attn(q, k, v, log_fgate, *, scale=None, impl="auto"):
         raise RuntimeError("impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.shape[-1] > 128:
         raise ValueError(f"triton path supports fp32/bf16/fp16 and D <= 128, got {q.dtype}, D={q.shape[-1]}")
-    return ForgettingAttnTriton.apply(q, k, v, log_fgate, scale)
+    return ForgettingAttnTriton.apply(q, k, v, log_fgate, scale, window)

@@ -17,22 +17,30 @@ def fgate_cumsum(log_fgate, c_prev=None):
     return c
 
 
-def attend(q, k, v, c_q, c_k, scale):
-    """Softmax attention of queries at the last M of N positions, bias c_q[i] - c_k[j], causal.
+def attend(q, k, v, c_q, c_k, scale, window=None):
+    """Softmax attention of queries at the last M of N positions, bias c_q[i] - c_k[j], causal, and
+    with a window W only over the last W positions (the query's own included).
 
-    The bias difference is taken in float64 and only then rounded (see the precision policy).
-    Computes in fp32 (fp64 for fp64 inputs) and returns q's dtype.
+    c_q, c_k None: no bias (plain softmax attention). The bias difference is taken in float64 and
+    only then rounded (see the precision policy). Computes in fp32 (fp64 for fp64 inputs) and
+    returns q's dtype.
     """
     ct = at_least_fp32(q.dtype)
     M, N = q.shape[-2], k.shape[-2]
-    bias = (c_q.to(torch.float64)[..., :, None] - c_k.to(torch.float64)[..., None, :]).to(ct)
-    s = scale * (q.to(ct) @ k.to(ct).transpose(-1, -2)) + bias
-    future = torch.ones(M, N, dtype=torch.bool, device=q.device).triu(N - M + 1)
-    p = torch.softmax(s.masked_fill(future, float("-inf")), dim=-1)
+    s = scale * (q.to(ct) @ k.to(ct).transpose(-1, -2))
+    if c_q is not None:
+        s = s + (c_q.to(torch.float64)[..., :, None] - c_k.to(torch.float64)[..., None, :]).to(ct)
+    p = torch.softmax(s.masked_fill(~visible(M, N, window, q.device), float("-inf")), dim=-1)
     return (p @ v.to(ct)).to(q.dtype)
 
 
-def reference_attn(q, k, v, log_fgate, scale):
+def visible(M, N, window, device):
+    """(M, N) bool: which of N keys the last M of N positions see, causal and within the window."""
+    d = torch.arange(N - M, N, device=device)[:, None] - torch.arange(N, device=device)[None, :]
+    return (d >= 0) & (d < (N if window is None else window))
+
+
+def reference_attn(q, k, v, log_fgate, scale, window=None):
     """forgetting_attn(impl="torch"): the whole L x L biased softmax; autograd gives the backward."""
-    c = fgate_cumsum(log_fgate)
-    return attend(q, k, v, c, c, scale)
+    c = fgate_cumsum(log_fgate) if log_fgate is not None else None
+    return attend(q, k, v, c, c, scale, window)

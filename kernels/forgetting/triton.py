@@ -15,10 +15,17 @@ arXiv:2503.02130 App. E, Algorithms 1 and 2) and the gate's cumsum and its adjoi
   per position one fp32 load and add, no fp64 arithmetic.
 - The gate's fp64 cumsum and its adjoint run as one small launch each (one program per (batch, head)
   row), so that short sequences are not bound by a dozen host-side torch ops per call.
+- Sliding window (window=W: query i sees keys i-W+1..i; Transformer-SWA, FoX arXiv:2503.02130 §F.4):
+  every loop runs over the tiles the window touches only, as in CASTLE-SWL; the tiles it cuts take
+  the mask, those it covers whole run unmasked like the causal interior. Forward and backward then do
+  O(L W) work. The masked forward tiles exponentiate against 0 for a row that has seen no key yet.
+- No gate (c_parts=None): c = 0 without loading it and no row or column sums, i.e. plain causal
+  softmax attention (with a window: sliding-window attention). GATED and WINDOWED are constexpr, so
+  each variant compiles on its own and the gated causal kernel is the code it was without them.
 - Any L: inputs are zero-padded at the end to a multiple of MAX_BLOCK. Padded positions
   come after every real one, so causality keeps them out of the real outputs and gradients.
   Kernels therefore need no tail masks. Head dims that are not powers of two are zero-padded.
-- Block sizes are autotuned per (L, D, dtype) on CUDA for 16-bit inputs; fp32 inputs use
+- Block sizes are autotuned per (L, W, D, dtype, variant) on CUDA for 16-bit inputs; fp32 inputs use
   3xTF32 dots (about fp32 accuracy) and one fixed tile config, the interpreter tiny tiles.
 
 Internal API (tests, scripts/bench_forgetting.py): MAX_BLOCK, C_BLOCK, FWD_FIXED, BWD_FIXED,
@@ -50,26 +57,95 @@ if triton is not None:
     # ---------------------------------------------------------------------------------------------
 
     @triton.jit
-    def _rel_c(CO, CB, offs, start, c_ref):
+    def _rel_c(CO, CB, offs, start, c_ref, GATED: tl.constexpr):
         # log2(e) * (c[offs] - c_ref) in fp32, for positions offs in the c block that holds `start`:
-        # one fp32 load and add per position, the fp64 part once per tile (see split_c)
-        return tl.load(CO + offs) + (tl.load(CB + start // C_BLOCK) - c_ref).to(tl.float32)
+        # one fp32 load and add per position, the fp64 part once per tile (see split_c); 0 without a gate
+        # (constexpr branches assign and one return follows: a return inside a static branch would not
+        # end the function for Triton's code generator)
+        if GATED:
+            c = tl.load(CO + offs) + (tl.load(CB + start // C_BLOCK) - c_ref).to(tl.float32)
+        else:
+            c = tl.zeros(offs.shape, tl.float32)
+        return c
+
+    @triton.jit
+    def _c_ref(CB, start, GATED: tl.constexpr):
+        # the fp64 reference of a program's biases: c at the first position of `start`'s c block
+        if GATED:
+            c_ref = tl.load(CB + start // C_BLOCK)
+        else:
+            c_ref = 0.0
+        return c_ref
+
+    @triton.jit
+    def _visible(q_pos, k_pos, WINDOW, WINDOWED: tl.constexpr):
+        # may queries q_pos see keys k_pos (broadcast against each other): causal, and inside the sliding
+        # window (the last WINDOW positions, the query's own included) if there is one
+        ok = q_pos >= k_pos
+        if WINDOWED:
+            ok = ok & (q_pos - k_pos < WINDOW)
+        return ok
+
+    # Tile ranges of the sliding window (all positions multiples of the step, so every range is whole
+    # tiles). The window empties every tile outside them; the kernels never visit those.
+
+    @triton.jit
+    def _keys_from(q_start, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
+        # the first key tile that a query >= q_start sees
+        lo = 0
+        if WINDOWED:
+            lo = tl.maximum(q_start - WINDOW + 1, 0) // STEP * STEP
+        return lo
+
+    @triton.jit
+    def _keys_whole_from(q_start, q_end, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
+        # the first key tile that every query of [q_start, q_end) sees whole (clamped to
+        # [_keys_from, q_start]); the tiles before it are cut by the window and need the mask
+        whole = 0
+        if WINDOWED:
+            whole = tl.cdiv(tl.maximum(q_end - WINDOW, 0), STEP) * STEP
+            whole = tl.minimum(tl.maximum(whole, _keys_from(q_start, WINDOW, STEP, WINDOWED)), q_start)
+        return whole
+
+    @triton.jit
+    def _queries_to(k_end, L, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
+        # the end of the query tiles that see a key < k_end
+        hi = L
+        if WINDOWED:
+            hi = tl.minimum(tl.cdiv(k_end - 1 + WINDOW, STEP) * STEP, L)
+        return hi
+
+    @triton.jit
+    def _queries_whole_to(k_start, k_end, L, WINDOW, STEP: tl.constexpr, WINDOWED: tl.constexpr):
+        # the end of the query tiles (from k_end on) that see every key of [k_start, k_end) (clamped
+        # to [k_end, _queries_to]); the tiles after it are cut by the window and need the mask
+        whole = L
+        if WINDOWED:
+            whole = tl.minimum((k_start + WINDOW) // STEP * STEP, _queries_to(k_end, L, WINDOW, STEP, WINDOWED))
+            whole = tl.maximum(whole, k_end)
+        return whole
 
     @triton.jit
     def _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m, lo, hi, scale2,
-                   HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
-                   DOT_PREC: tl.constexpr):
+                   WINDOW, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
+                   DOT_PREC: tl.constexpr, GATED: tl.constexpr, WINDOWED: tl.constexpr):
         offs_d = tl.arange(0, HEAD_DIM)
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             kt = tl.load(K + cols[None, :] * stride_kl + offs_d[:, None])
-            ck = _rel_c(CO, CB, cols, start_n, c_ref)
+            ck = _rel_c(CO, CB, cols, start_n, c_ref, GATED)
             s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 - ck[None, :]
             if MASK:
-                s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+                s = tl.where(_visible(offs_m[:, None], cols[None, :], WINDOW, WINDOWED), s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
+            m_exp = m_new
+            if WINDOWED:
+                if MASK:
+                    # a row may have seen no key yet (the window; causal rows see key 0 first): exponentiate
+                    # against 0 there, so that exp2(-inf - m) is 0, not NaN; its max stays -inf until it sees one
+                    m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.math.exp2(s - m_exp[:, None])
+            alpha = tl.math.exp2(m_i - m_exp)
             l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(V + cols[:, None] * stride_vl + offs_d[None, :])
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
@@ -81,9 +157,9 @@ if triton is not None:
     @triton.jit
     def fwd_kernel(Q, K, V, CO, CB, O, LSE2, scale2: tl.constexpr,
                     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
-                    stride_vb, stride_vh, stride_vl, H, L,
+                    stride_vb, stride_vh, stride_vl, H, L, WINDOW,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PREC: tl.constexpr):
+                    DOT_PREC: tl.constexpr, GATED: tl.constexpr, WINDOWED: tl.constexpr):
         # grid (B*H, L/BLOCK_M); the longest (last) query tiles are launched first
         bh = tl.program_id(0)
         start_m = (L // BLOCK_M - 1 - tl.program_id(1)) * BLOCK_M
@@ -100,21 +176,29 @@ if triton is not None:
         offs_m = start_m + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q + offs_m[:, None] * stride_ql + offs_d[None, :])
-        c_ref = tl.load(CB + start_m // C_BLOCK)  # fp64; this program's biases are relative to it
+        c_ref = _c_ref(CB, start_m, GATED)  # fp64; this program's biases are relative to it
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-        # keys strictly before the tile need no mask; the diagonal tile does
+        # keys strictly before the tile that every row sees need no mask; the diagonal tile does, and
+        # so do the tiles that the window cuts (none without a window)
+        lo = _keys_from(start_m, WINDOW, BLOCK_N, WINDOWED)
+        whole = _keys_whole_from(start_m, start_m + BLOCK_M, WINDOW, BLOCK_N, WINDOWED)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
-                                   0, start_m, scale2, HEAD_DIM, BLOCK_N, False, DOT_PREC)
+                                   whole, start_m, scale2, WINDOW, HEAD_DIM, BLOCK_N, False, DOT_PREC,
+                                   GATED, WINDOWED)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
-                                   start_m, start_m + BLOCK_M, scale2, HEAD_DIM, BLOCK_N, True,
-                                   DOT_PREC)
+                                   start_m, start_m + BLOCK_M, scale2, WINDOW, HEAD_DIM, BLOCK_N, True,
+                                   DOT_PREC, GATED, WINDOWED)
+        if WINDOWED:
+            acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
+                                       lo, whole, scale2, WINDOW, HEAD_DIM, BLOCK_N, True, DOT_PREC,
+                                       GATED, WINDOWED)
         o = acc / l_i[:, None]
         tl.store(O + offs_m[:, None] * HEAD_DIM + offs_d[None, :], o.to(O.dtype.element_ty))
         # the row term c_i was left out of the logits (it cancels in the softmax); put it back so
         # that LSE2 is the true base-2 logsumexp of scale*q.k + c_i - c_j
-        cq = _rel_c(CO, CB, offs_m, start_m, c_ref)
+        cq = _rel_c(CO, CB, offs_m, start_m, c_ref, GATED)
         tl.store(LSE2 + offs_m, m_i + tl.math.log2(l_i) + cq)
 
     # ---------------------------------------------------------------------------------------------
@@ -132,45 +216,49 @@ if triton is not None:
 
     @triton.jit
     def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, Q, DO, CO, CB, LSE2, DELTA, c_ref, stride_ql, offs_n,
-                        lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                        MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+                        lo, hi, scale2, WINDOW, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                        MASK: tl.constexpr, DOT_PREC: tl.constexpr, GATED: tl.constexpr,
+                        WINDOWED: tl.constexpr):
         # one key tile against query tiles [lo, hi); works on transposed tiles (keys x queries)
         offs_d = tl.arange(0, HEAD_DIM)
         for start_m in range(lo, hi, BLOCK_M):
             rows = start_m + tl.arange(0, BLOCK_M)
             qt = tl.load(Q + rows[None, :] * stride_ql + offs_d[:, None])
-            cq = _rel_c(CO, CB, rows, start_m, c_ref)
+            cq = _rel_c(CO, CB, rows, start_m, c_ref, GATED)
             row_bias = cq - tl.load(LSE2 + rows)
             st = tl.dot(k, qt, input_precision=DOT_PREC) * scale2 + row_bias[None, :] - ck[:, None]
             if MASK:
-                st = tl.where(rows[None, :] >= offs_n[:, None], st, float("-inf"))
+                st = tl.where(_visible(rows[None, :], offs_n[:, None], WINDOW, WINDOWED), st, float("-inf"))
             pt = tl.math.exp2(st)
             do = tl.load(DO + rows[:, None] * HEAD_DIM + offs_d[None, :])
             dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=DOT_PREC)
             dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
             dst = pt * (dpt - tl.load(DELTA + rows)[None, :])
-            dck -= tl.sum(dst, 1)
+            if GATED:
+                dck -= tl.sum(dst, 1)
             dk = tl.dot(dst.to(qt.dtype), tl.trans(qt), dk, input_precision=DOT_PREC)
         return dk, dv, dck
 
     @triton.jit
     def _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
-                      lo, hi, scale2, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                      MASK: tl.constexpr, DOT_PREC: tl.constexpr):
+                      lo, hi, scale2, WINDOW, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                      MASK: tl.constexpr, DOT_PREC: tl.constexpr, GATED: tl.constexpr,
+                      WINDOWED: tl.constexpr):
         # one query tile against key tiles [lo, hi)
         offs_d = tl.arange(0, HEAD_DIM)
         for start_n in range(lo, hi, BLOCK_N):
             cols = start_n + tl.arange(0, BLOCK_N)
             kt = tl.load(K + cols[None, :] * stride_kl + offs_d[:, None])
             vt = tl.load(V + cols[None, :] * stride_vl + offs_d[:, None])
-            ck = _rel_c(CO, CB, cols, start_n, c_ref)
+            ck = _rel_c(CO, CB, cols, start_n, c_ref, GATED)
             s = tl.dot(q, kt, input_precision=DOT_PREC) * scale2 + row_bias[:, None] - ck[None, :]
             if MASK:
-                s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+                s = tl.where(_visible(offs_m[:, None], cols[None, :], WINDOW, WINDOWED), s, float("-inf"))
             p = tl.math.exp2(s)
             dp = tl.dot(do, vt, input_precision=DOT_PREC)
             ds = p * (dp - delta[:, None])
-            dcq += tl.sum(ds, 1)
+            if GATED:
+                dcq += tl.sum(ds, 1)
             dq = tl.dot(ds.to(kt.dtype), tl.trans(kt), dq, input_precision=DOT_PREC)
         return dq, dcq
 
@@ -178,12 +266,14 @@ if triton is not None:
     def bwd_kernel(Q, K, V, CO, CB, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
                     scale: tl.constexpr, scale2: tl.constexpr,
                     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
-                    stride_vb, stride_vh, stride_vl, H, L,
+                    stride_vb, stride_vh, stride_vl, H, L, WINDOW,
                     HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_SMALL_DQ: tl.constexpr,
-                    BLOCK_LARGE: tl.constexpr, DOT_PREC: tl.constexpr):
+                    BLOCK_LARGE: tl.constexpr, DOT_PREC: tl.constexpr, GATED: tl.constexpr,
+                    WINDOWED: tl.constexpr):
         # grid (B*H, L/BLOCK_LARGE): program t owns key tile t (dK, dV, colsums) and query tile t
         # (dQ, rowsums); both tiles are BLOCK_LARGE long; the dK/dV loop takes BLOCK_SMALL queries a
-        # step, the dQ loop BLOCK_SMALL_DQ keys
+        # step, the dQ loop BLOCK_SMALL_DQ keys. Without a gate (GATED false) c is 0 and there are no
+        # row and column sums.
         bh = tl.program_id(0)
         start = tl.program_id(1) * BLOCK_LARGE
         b = (bh // H).to(tl.int64)
@@ -205,41 +295,58 @@ if triton is not None:
 
         offs = start + tl.arange(0, BLOCK_LARGE)
         offs_d = tl.arange(0, HEAD_DIM)
-        c_ref = tl.load(CB + start // C_BLOCK)
-        c_tile = _rel_c(CO, CB, offs, start, c_ref)
+        end = start + BLOCK_LARGE
+        c_ref = _c_ref(CB, start, GATED)
+        c_tile = _rel_c(CO, CB, offs, start, c_ref, GATED)
 
-        # dK, dV for keys `offs`: queries from the diagonal tile (masked) to the end
+        # dK, dV for keys `offs`: queries from the diagonal tile (masked) to the end, or with a window to
+        # the last query that sees them (the tiles it cuts masked)
         k = tl.load(K + offs[:, None] * stride_kl + offs_d[None, :])
         v = tl.load(V + offs[:, None] * stride_vl + offs_d[None, :])
         dk = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
         dck = tl.zeros([BLOCK_LARGE], tl.float32)
+        whole_to = _queries_whole_to(start, end, L, WINDOW, BLOCK_SMALL, WINDOWED)
         dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
-                                      stride_ql, offs, start, start + BLOCK_LARGE, scale2,
-                                      HEAD_DIM, BLOCK_SMALL, True, DOT_PREC)
+                                      stride_ql, offs, start, end, scale2, WINDOW,
+                                      HEAD_DIM, BLOCK_SMALL, True, DOT_PREC, GATED, WINDOWED)
         dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
-                                      stride_ql, offs, start + BLOCK_LARGE, L, scale2,
-                                      HEAD_DIM, BLOCK_SMALL, False, DOT_PREC)
+                                      stride_ql, offs, end, whole_to, scale2, WINDOW,
+                                      HEAD_DIM, BLOCK_SMALL, False, DOT_PREC, GATED, WINDOWED)
+        if WINDOWED:
+            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
+                                          stride_ql, offs, whole_to,
+                                          _queries_to(end, L, WINDOW, BLOCK_SMALL, WINDOWED), scale2,
+                                          WINDOW, HEAD_DIM, BLOCK_SMALL, True, DOT_PREC, GATED, WINDOWED)
         out = offs[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty))
         tl.store(DV + out, dv.to(DV.dtype.element_ty))
-        tl.store(DCK + offs, dck)
+        if GATED:
+            tl.store(DCK + offs, dck)
 
-        # dQ for queries `offs`: keys from the diagonal tile (masked) back to the start
+        # dQ for queries `offs`: keys from the diagonal tile (masked) back to the start, or with a window
+        # to the first key they see (the tiles it cuts masked)
         q = tl.load(Q + offs[:, None] * stride_ql + offs_d[None, :])
         do = tl.load(DO + out)
         row_bias = c_tile - tl.load(LSE2 + offs)
         delta = tl.load(DELTA + offs)
         dq = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
         dcq = tl.zeros([BLOCK_LARGE], tl.float32)
+        whole_from = _keys_whole_from(start, end, WINDOW, BLOCK_SMALL_DQ, WINDOWED)
         dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
-                                stride_vl, offs, start, start + BLOCK_LARGE, scale2,
-                                HEAD_DIM, BLOCK_SMALL_DQ, True, DOT_PREC)
+                                stride_vl, offs, start, end, scale2, WINDOW,
+                                HEAD_DIM, BLOCK_SMALL_DQ, True, DOT_PREC, GATED, WINDOWED)
         dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
-                                stride_vl, offs, 0, start, scale2,
-                                HEAD_DIM, BLOCK_SMALL_DQ, False, DOT_PREC)
+                                stride_vl, offs, whole_from, start, scale2, WINDOW,
+                                HEAD_DIM, BLOCK_SMALL_DQ, False, DOT_PREC, GATED, WINDOWED)
+        if WINDOWED:
+            dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
+                                    stride_vl, offs, _keys_from(start, WINDOW, BLOCK_SMALL_DQ, WINDOWED),
+                                    whole_from, scale2, WINDOW, HEAD_DIM, BLOCK_SMALL_DQ, True, DOT_PREC,
+                                    GATED, WINDOWED)
         tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty))
-        tl.store(DCQ + offs, dcq)
+        if GATED:
+            tl.store(DCQ + offs, dcq)
 
     # ---------------------------------------------------------------------------------------------
     # The gate's cumsum and its adjoint, one launch each (one program per (batch, head) row)
@@ -312,7 +419,7 @@ if triton is not None:
         _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=64),
         _cfg(4, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),
     ]
-    TUNING_KEY = ["L", "HEAD_DIM", "DOT_PREC"]
+    TUNING_KEY = ["L", "WINDOW", "HEAD_DIM", "DOT_PREC", "GATED", "WINDOWED"]
     fwd_tuned = triton.autotune(FWD_CONFIGS, key=TUNING_KEY)(fwd_kernel)
     bwd_tuned = triton.autotune(BWD_CONFIGS, key=TUNING_KEY)(bwd_kernel)
     assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in FWD_CONFIGS)
@@ -366,30 +473,42 @@ def gate_grad(dcq, dck, L_out, dtype):
     return dlog_fgate
 
 
-def triton_fwd(q, k, v, c_parts, scale):
+def _variant(c_parts, window, L):
+    """The kernels' WINDOW and constexpr flags: GATED without c_parts is plain softmax attention (no c
+    loads, no row or column sums: a variant of its own, so the gated one pays nothing for it); a window
+    that covers the whole (padded) sequence is no window."""
+    windowed = window is not None and window < L
+    return dict(WINDOW=window if windowed else L, GATED=c_parts is not None, WINDOWED=windowed)
+
+
+def triton_fwd(q, k, v, c_parts, scale, window=None):
+    """c_parts: split_c's pair, or None for no gate; window: the sliding window W, or None."""
     B, H, L, D = q.shape
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _launch(fwd_tuned, fwd_kernel, FWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_M"]),
-            q, k, v, *c_parts, o, lse2, scale * LOG2E.value,
+            q, k, v, *(c_parts or (q, q)), o, lse2, scale * LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
-            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype))
+            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype), **_variant(c_parts, window, L))
     return o, lse2
 
 
-def triton_bwd(q, k, v, c_parts, o, lse2, do, scale):
+def triton_bwd(q, k, v, c_parts, o, lse2, do, scale, window=None):
+    """Returns dq, dk, dv and the row and column sums dcq, dck (None without a gate)."""
     B, H, L, D = q.shape
     delta = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(B * H * L // MAX_BLOCK,)](o, do, delta, HEAD_DIM=D, BLOCK=MAX_BLOCK)
     dq, dk, dv = (torch.empty(B, H, L, D, dtype=q.dtype, device=q.device) for _ in range(3))
-    dcq, dck = (torch.empty(B, H, L, dtype=torch.float32, device=q.device) for _ in range(2))
+    dcq, dck = ((torch.empty(B, H, L, dtype=torch.float32, device=q.device) for _ in range(2))
+                if c_parts is not None else (None, None))
     _launch(bwd_tuned, bwd_kernel, BWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_LARGE"]),
-            q, k, v, *c_parts, do, lse2, delta, dq, dk, dv, dcq, dck, scale,
+            q, k, v, *(c_parts or (q, q)), do, lse2, delta, dq, dk, dv,
+            *((dcq, dck) if c_parts is not None else (delta, delta)), scale,
             scale * LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
-            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype))
+            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype), **_variant(c_parts, window, L))
     return dq, dk, dv, dcq, dck
 
 

@@ -70,6 +70,7 @@ def stock_blockers(config, arch):
     blockers = [f"model.{k}={getattr(config, k)}" for k, v in {"attention": "baseline", **want}.items()
                 if getattr(config, k) != v]
     blockers += [f"model.{k}=true" for k in PRO_OPTIONS if getattr(config, k)]
+    blockers += [f"model.attention_window={config.attention_window}"] if config.attention_window is not None else []
     if config.n_embd % config.n_head:
         blockers.append(f"model.n_embd={config.n_embd} not divisible by model.n_head={config.n_head}")
     elif arch == "gpt2" and config.head_dim != config.n_embd // config.n_head:

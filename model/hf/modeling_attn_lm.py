@@ -35,8 +35,10 @@ from transformers.modeling_outputs import CausalLMOutput
 MODEL_DEFAULTS = dict(
     vocab_size=50304, tokenizer_vocab_size=None, block_size=1024, n_layer=12, n_head=12, n_embd=768,
     head_dim=None, bias=False, norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", mlp_ratio=4.0, mlp_hidden=None,
-    mlp_multiple_of=1, pos="rope", rope_theta=10000.0, attention="baseline", dropout=0.0, init_std=0.02,
+    mlp_multiple_of=1, pos="rope", rope_theta=10000.0, attention="baseline", attention_window=None, dropout=0.0,
+    init_std=0.02,
     scaled_residual_init=True, castle_window=None, castle_rope="qk", castle_match_heads=False,
+    castle_causal_keys=True, castle_silu=True,
     fgate="data_dependent", fgate_bias_init=0.0, fgate_tmin=None, fgate_tmax=None, qk_norm=False,
     qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False, ssm_state_size=128, gdn_expand_v=2.0)
 
@@ -223,6 +225,9 @@ class CastleAttention(nn.Module):
 
         S^U = ((s Qc Vu^T) causal) @ (sigmoid(s Qu Ku^T) lookahead)^T
         out = softmax(s Qc Kc^T - SiLU(S^U), causal) @ Vc
+
+    The ablations of §5.2: castle_causal_keys=False drops Kc and its term (no k^C projection; Table 5),
+    castle_silu=False takes -S^U for -SiLU(S^U) (Table 10).
     """
 
     def __init__(self, config):
@@ -230,19 +235,24 @@ class CastleAttention(nn.Module):
         self.n_head, self.head_dim = config.n_head, config.head_dim
         self.window = config.castle_window if config.attention == "castle_swl" else None
         self.rope_mode = config.castle_rope
+        self.causal_keys, self.silu = config.castle_causal_keys, config.castle_silu
+        self.n_proj = 6 if self.causal_keys else 5
         inner = config.n_head * config.head_dim
-        self.proj = nn.Linear(config.n_embd, 6 * inner, bias=config.bias)
+        self.proj = nn.Linear(config.n_embd, self.n_proj * inner, bias=config.bias)
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
 
     def forward(self, x, rope, allowed, valid):
-        qc, kc, vc, qu, ku, vu = (split_heads(t, self.n_head) for t in self.proj(x).chunk(6, dim=-1))
-        qc, kc = apply_rope(qc, rope), apply_rope(kc, rope)
+        parts = [split_heads(t, self.n_head) for t in self.proj(x).chunk(self.n_proj, dim=-1)]
+        if not self.causal_keys:
+            parts.insert(1, None)
+        qc, kc, vc, qu, ku, vu = parts
+        qc, kc = apply_rope(qc, rope), kc if kc is None else apply_rope(kc, rope)
         if self.rope_mode in ("qk", "qkv"):
             qu, ku = apply_rope(qu, rope), apply_rope(ku, rope)
         if self.rope_mode == "qkv":
             vu = apply_rope(vu, rope)
         ct = compute_dtype(x.dtype)
-        qc, kc, vc, qu, ku, vu = (t.to(ct) for t in (qc, kc, vc, qu, ku, vu))
+        qc, kc, vc, qu, ku, vu = (t if t is None else t.to(ct) for t in (qc, kc, vc, qu, ku, vu))
         s = self.head_dim ** -0.5
         T = x.size(1)
         idx = torch.arange(T, device=x.device)
@@ -253,7 +263,10 @@ class CastleAttention(nn.Module):
         a_u = torch.sigmoid(s * qu @ ku.transpose(-1, -2)).masked_fill(~ahead, 0.0)
         r = (s * qc @ vu.transpose(-1, -2)).masked_fill(~causal, 0.0)
         s_u = r @ a_u.transpose(-1, -2)
-        y = softmax_attend(s * qc @ kc.transpose(-1, -2) - F.silu(s_u), vc, allowed).to(x.dtype)
+        logits = -F.silu(s_u) if self.silu else -s_u
+        if kc is not None:
+            logits = logits + s * qc @ kc.transpose(-1, -2)
+        y = softmax_attend(logits, vc, allowed).to(x.dtype)
         return self.out(merge_heads(y))
 
 
@@ -305,6 +318,8 @@ class AttnLMForCausalLM(PreTrainedModel, GenerationMixin):
         idx = torch.arange(T, device=input_ids.device)
         # causal; padding is never a key, and a padding query sees itself so its row stays finite
         allowed = (idx[:, None] >= idx[None, :]) & (valid[:, None, None, :] | (idx[:, None] == idx[None, :]))
+        if self.config.attention_window is not None:   # sliding window: the last W positions (padding is outside)
+            allowed = allowed & (idx[:, None] - idx[None, :] < self.config.attention_window)
         x = self.wte(input_ids)
         if self.wpe is not None:
             x = x + self.wpe(positions)
