@@ -96,6 +96,17 @@ def test_the_model_is_llama_blocks_around_direct_calls_of_the_fla_layer(name):
     assert (model.blocks[0].mlp is None) == (name == "mamba2")
 
 
+@pytest.mark.parametrize("name", variants())
+def test_fused_norms_give_the_unfused_logits(name):
+    """model.fused_norm: each residual add done by the next norm; Mamba-2's block defers its layer's branch."""
+    plain = GPT(tiny(name)).to(device()).eval()
+    fused = GPT(tiny(name, fused_norm=True)).to(device()).eval()
+    fused.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 97, (2, 11), device=device())
+    with torch.no_grad():
+        torch.testing.assert_close(fused(idx)[0], plain(idx)[0], **TOL)
+
+
 def mamba2_layer(seed_model):
     return seed_model.blocks[0].attn.layer
 
