@@ -31,8 +31,8 @@ RECURRENT_ATTENTIONS = ("mamba2", "hgrn2", "deltanet", "gated_deltanet")
 def fla_kernels_ready(x, attention):
     """fla's kernels are Triton: a CUDA tensor, or the Triton interpreter on CPU (TRITON_INTERPRET=1)."""
     if not (x.is_cuda or interpreting()):
-        raise RuntimeError(f"attention={attention} runs the Triton kernels of fla: it needs a CUDA GPU, or "
-                           "TRITON_INTERPRET=1 on CPU (slow; for tests)")
+        raise ValueError(f"attention={attention} runs the Triton kernels of fla: it needs a CUDA GPU, or "
+                         "TRITON_INTERPRET=1 on CPU (slow; for tests)")
 
 
 def take_first_autotune_config():

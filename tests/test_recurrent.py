@@ -141,7 +141,7 @@ def test_recurrent_layers_need_a_gpu_or_the_interpreter_except_mamba2(monkeypatc
         interpreted = mamba(idx)[0]
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
         torch.testing.assert_close(mamba(idx)[0], interpreted, atol=2e-5, rtol=1e-4)
-        with pytest.raises(RuntimeError, match="attention=hgrn2 runs the Triton kernels of fla: it needs a CUDA GPU"):
+        with pytest.raises(ValueError, match="attention=hgrn2 runs the Triton kernels of fla: it needs a CUDA GPU"):
             hgrn(idx)
 
 
