@@ -27,6 +27,8 @@ from kernels.fused import LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_no
 from kernels.fused import reference as fused_reference
 from kernels.sdpa import decode_sdpa
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias, tree_decode
+from model.recurrent import LAYERS as RECURRENT_LAYERS
+from model.recurrent import RECURRENT_ATTENTIONS, check_widths
 
 
 @dataclass
@@ -41,7 +43,7 @@ class GPTConfig:
     bias: bool = False
     norm: str = "rmsnorm"            # "rmsnorm" | "layernorm"
     norm_eps: float = 1e-5
-    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d)
+    mlp: str = "swiglu"              # "swiglu" (hidden 8/3 d) | "gelu" (hidden 4 d) | "none" (no MLP: Mamba-2)
     mlp_ratio: float = 4.0           # hidden = ratio * d (gelu) or 2/3 * ratio * d (swiglu: 8/3 d at 4)
     mlp_hidden: int | None = None    # None: derived from mlp_ratio, rounded up to `mlp_multiple_of`
     mlp_multiple_of: int = 1         # 1 keeps 8/3 d unrounded (CASTLE paper); LLaMA/FoX use 256
@@ -76,6 +78,10 @@ class GPTConfig:
     fused_loss: str = "none"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
     fused_norm: bool = False            # Triton RMSNorm; the block's attention residual add fused into its MLP norm
     fused_swiglu: str = "none"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
+    # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
+    # deltanet|gated_deltanet
+    ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
+    gdn_expand_v: float = 2.0           # Gated DeltaNet's value width / key width (attention=gated_deltanet)
 
     def __post_init__(self):
         if self.castle_match_heads:       # applied once: the saved config then holds the real count
@@ -100,6 +106,7 @@ class GPTConfig:
         self._check_forget_gate()
         self._check_attention_window()
         self._check_fused()
+        self._check_recurrent()
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
             raise ValueError(f"tokenizer_vocab_size={self.tokenizer_vocab_size} must be in [1, model.vocab_size="
                              f"{self.vocab_size}]; model.vocab_size must hold every token of the tokenizer")
@@ -154,6 +161,24 @@ class GPTConfig:
         if self.fused_swiglu != "none" and self.mlp != "swiglu":
             raise ValueError(f"model.fused_swiglu={self.fused_swiglu} fuses SwiGLU, but model.mlp={self.mlp}; "
                              "set model.fused_swiglu=none")
+
+    def _check_recurrent(self):
+        defaults = {f.name: f.default for f in fields(self)}
+        for name, variant in (("ssm_state_size", "mamba2"), ("gdn_expand_v", "gated_deltanet")):
+            if getattr(self, name) != defaults[name] and self.attention != variant:
+                raise ValueError(f"model.{name}={getattr(self, name)} only applies to attention={variant} "
+                                 f"(model={variant}), not attention={self.attention}")
+        if self.attention not in RECURRENT_ATTENTIONS:
+            return
+        if self.pos != "none":
+            raise ValueError(f"model.pos={self.pos!r} with the recurrent attention={self.attention}: its recurrence "
+                             "orders the positions; set model.pos=none (as model=" + self.attention + " does)")
+        changed = [f"model.{k}={getattr(self, k)}" for k in ("qk_norm", "qk_norm_shared", "kv_shift", "output_gate",
+                   "output_norm", "castle_window", "castle_rope") if getattr(self, k) != defaults[k]]
+        if changed:
+            raise ValueError(f"{', '.join(changed)} only apply to softmax/forgetting attention or CASTLE, not to "
+                             f"the recurrent attention={self.attention}; drop them")
+        check_widths(self)
 
     @classmethod
     def from_dict(cls, d):
@@ -256,7 +281,7 @@ class GeluMLP(nn.Module):
         return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
 
 
-MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP}
+MLPS = {"swiglu": SwiGLU, "gelu": GeluMLP, "none": None}
 
 
 # ----------------------------------------------------------------------------- positions
@@ -697,12 +722,14 @@ class CastleAttention(nn.Module):
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
+for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
+    register_attention(_name)(_layer)
 
 
 # ----------------------------------------------------------------------------- model
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)) (no MLP sub-layer with mlp=none).
 
     Each residual add is done by the norm that reads its sum (add_and_norm: one pass with fused norms), so the
     MLP's add is left to the next block's first norm (or the final norm): GPT.forward passes it on as
@@ -719,8 +746,9 @@ class Block(nn.Module):
         super().__init__()
         self.norm_attn = make_norm(config)
         self.attn = ATTENTIONS[config.attention](config)
-        self.norm_mlp = make_norm(config)
-        self.mlp = MLPS[config.mlp](config)
+        has_mlp = MLPS[config.mlp] is not None
+        self.norm_mlp = make_norm(config) if has_mlp else None
+        self.mlp = MLPS[config.mlp](config) if has_mlp else None
         self.recompute = False
 
     def forward(self, x, rope, cache=None, pending=None, defer_add=False):
@@ -736,7 +764,10 @@ class Block(nn.Module):
 
     def residual_layers(self, x, pending, rope, cache=None):
         x, h = add_and_norm(x, pending, self.norm_attn)
-        x, h = add_and_norm(x, self.attn(h, rope, cache), self.norm_mlp)
+        y = self.attn(h, rope, cache)
+        if self.mlp is None:             # no MLP sub-layer (Mamba-2): the layer's branch is the one left to add
+            return x, y
+        x, h = add_and_norm(x, y, self.norm_mlp)
         return x, self.mlp(h)
 
 
@@ -870,6 +901,7 @@ class GPT(nn.Module):
         norms = (RMSNorm, HeadRMSNorm, nn.LayerNorm)
         no_decay = {id(p) for m in self.modules() if isinstance(m, norms) for p in m.parameters()}
         no_decay |= {id(p) for name, p in self.named_parameters() if name.endswith("bias")}
+        no_decay |= {id(p) for m in self.modules() if hasattr(m, "no_decay_params") for p in m.no_decay_params()}
         params = [p for p in self.parameters() if p.requires_grad]
         return [{"params": [p for p in params if id(p) not in no_decay], "weight_decay": weight_decay},
                 {"params": [p for p in params if id(p) in no_decay], "weight_decay": 0.0}]

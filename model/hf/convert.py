@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, GPT2Config, LlamaConfig
 
 from model.checkpoint import CHECKPOINT_FORMAT, config_dict, load_checkpoint, strip_compile_prefix
-from model.gpt import GPT, GPTConfig, mlp_hidden_size
+from model.gpt import GPT, RECURRENT_ATTENTIONS, GPTConfig, mlp_hidden_size
 from model.hf.modeling_attn_lm import AttnLMConfig
 from model.hf.tokenizer import GPT2_VOCAB, check_gpt2_vocab, save_gpt2_tokenizer
 
@@ -261,6 +261,9 @@ def export_hf(ckpt, out, fmt="auto", dtype=None, allow_json_tokenizer=False):
     """Write the checkpoint `ckpt` (file or run dir) as a transformers model directory `out`; return
     the architecture written (llama, gpt2 or custom)."""
     config, state, train_cfg = read_checkpoint(ckpt)
+    if config.attention in RECURRENT_ATTENTIONS:
+        raise ValueError(f"checkpoint {ckpt}: attention={config.attention} (a recurrent layer of fla) has no "
+                         "Hugging Face export; export takes attention=baseline, fox, castle or castle_swl")
     n_tokens = tokenizer_vocab(config, train_cfg, allow_json_tokenizer)
     check_tensors(state, model_shapes(config), f"checkpoint {ckpt}")
     arch = choose_architecture(config, fmt)

@@ -40,7 +40,7 @@ MODEL_DEFAULTS = dict(
     scaled_residual_init=True, castle_window=None, castle_rope="qk", castle_match_heads=False,
     castle_causal_keys=True, castle_silu=True,
     fgate="data_dependent", fgate_bias_init=0.0, fgate_tmin=None, fgate_tmax=None, qk_norm=False,
-    qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False)
+    qk_norm_shared=True, kv_shift=False, output_gate=False, output_norm=False, ssm_state_size=128, gdn_expand_v=2.0)
 
 
 class AttnLMConfig(PretrainedConfig):

@@ -1,0 +1,256 @@
+"""The recurrent baselines of the FoX paper (arXiv:2503.02130 §4.1): Mamba-2, HGRN2, DeltaNet, plus Gated
+DeltaNet, as `GPTConfig.attention` choices ("mamba2", "hgrn2", "deltanet", "gated_deltanet").
+
+The layers are the Flash Linear Attention library's (the FoX paper builds its baselines on it, §4.1): the
+layer classes come from the `flash-linear-attention` package (import name `fla`, `fla.layers`), their
+Triton kernels from `fla-core` (`fla.ops`, `fla.modules`). This module only adapts them to model/gpt.py's
+attention interface (forward(x, rope, cache), new_cache, flops_per_token) and keeps a layer's recurrent
+state as its cache; no recurrence is written here. `fla` is imported when the first such layer is built
+(it imports transformers and all of its layers: seconds), never by model/gpt.py itself.
+
+Each recurrent layer takes the place of the attention sub-layer of the LLaMA-style Block (pre-norm residual
+sub-layers), as in the FLA models the paper trains: HGRN2, DeltaNet and Gated DeltaNet blocks keep the SwiGLU
+MLP; Mamba-2 blocks have none (`mlp: none`, twice the layers: the FLA Mamba-2 model).
+
+Mamba-2 on a GPU: fla's Mamba2 layer runs its fused path only with the `mamba_ssm` CUDA package; without it,
+its forward is a naive form whose intermediates grow as chunk^2 x heads x state per chunk (tens of GB at
+16K tokens). `mamba2_scan` runs the same layer, same parameters, with fla's chunked scalar-decay linear
+attention (`chunk_simple_gla`) as the SSD scan instead; tests check it equals the layer's own forward.
+"""
+import logging
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels.triton_utils import interpreting
+
+RECURRENT_ATTENTIONS = ("mamba2", "hgrn2", "deltanet", "gated_deltanet")
+
+
+def fla_kernels_ready(x, attention):
+    """fla's kernels are Triton: a CUDA tensor, or the Triton interpreter on CPU (TRITON_INTERPRET=1)."""
+    if not (x.is_cuda or interpreting()):
+        raise ValueError(f"attention={attention} runs the Triton kernels of fla: it needs a CUDA GPU, or "
+                         "TRITON_INTERPRET=1 on CPU (slow; for tests)")
+
+
+def take_first_autotune_config():
+    """Under the Triton interpreter, fla's autotuned kernels run their first config: the autotuner would
+    time every config through a GPU driver, which the interpreter does not have."""
+    from triton.runtime.autotuner import Autotuner
+
+    if getattr(Autotuner, "_first_config_only", False):
+        return
+    run = Autotuner.run
+
+    def run_first(self, *args, **kwargs):
+        self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    Autotuner.run, Autotuner._first_config_only = run_first, True
+
+
+# ----------------------------------------------------------------------------- the fla layers, from GPTConfig
+
+def check_widths(config):
+    """The head layout each layer can take (called by GPTConfig): a ValueError naming the options otherwise."""
+    a, d, h, dh = config.attention, config.n_embd, config.n_head, config.head_dim
+    if a == "mamba2" and h * dh % d:
+        raise ValueError(f"attention=mamba2: model.n_head x model.head_dim = {h * dh} is Mamba-2's inner width and "
+                         f"must be a multiple of model.n_embd={d} (expand 2: n_head = 2 n_embd / head_dim)")
+    if a in ("hgrn2", "deltanet") and h * dh != d:
+        raise ValueError(f"attention={a}: model.n_head x model.head_dim = {h} x {dh} must equal model.n_embd={d} "
+                         "(its heads split the model width); leave model.head_dim null")
+    if a == "gated_deltanet" and (dh * config.gdn_expand_v) % 1:
+        raise ValueError(f"attention=gated_deltanet: model.head_dim x model.gdn_expand_v = {dh} x "
+                         f"{config.gdn_expand_v} must be a whole number (the value width of a head)")
+
+
+def build_mamba2(config):
+    """Mamba-2 (arXiv:2405.21060) with the FLA defaults the FoX paper trains (App. B.1): inner width
+    n_head x head_dim (expand = that / n_embd, 2 in the paper's configs), d_state ssm_state_size, one
+    group of B/C, causal conv of width 4 with bias, gated RMSNorm, chunk 256."""
+    from fla.layers.mamba2 import Mamba2
+
+    quiet = logging.getLogger("fla.layers.mamba2")   # its "no mamba_ssm: naive fallback" is not our path
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        return Mamba2(hidden_size=config.n_embd, num_heads=config.n_head, head_dim=config.head_dim,
+                      expand=config.n_head * config.head_dim // config.n_embd, state_size=config.ssm_state_size,
+                      n_groups=1, norm_eps=config.norm_eps, backend="triton", layer_idx=0)
+    finally:
+        quiet.level = level
+
+
+def build_hgrn2(config):
+    """HGRN2 (arXiv:2404.07904) as in the FoX paper's runs: n_embd / n_head heads with forget/query
+    dimension head_dim ("expand_ratio", 128 in the paper's configs), no short convolution."""
+    from fla.layers.hgrn2 import HGRN2Attention
+
+    return HGRN2Attention(hidden_size=config.n_embd, expand_ratio=config.head_dim, use_short_conv=False,
+                          norm_eps=config.norm_eps, layer_idx=0)
+
+
+def build_deltanet(config):
+    """DeltaNet (arXiv:2406.06484) with the FLA defaults of the FoX paper's runs: n_head heads of
+    n_embd / n_head, SiLU + L2-normed q/k, beta, short convolutions of width 4, output RMSNorm, no gate."""
+    from fla.layers.delta_net import DeltaNet
+
+    return DeltaNet(hidden_size=config.n_embd, num_heads=config.n_head, use_beta=True, use_gate=False,
+                    use_short_conv=True, conv_size=4, qk_activation="silu", qk_norm="l2",
+                    norm_eps=config.norm_eps, layer_idx=0)
+
+
+def build_gated_deltanet(config):
+    """Gated DeltaNet (arXiv:2412.06464): n_head heads, key dim head_dim, value dim gdn_expand_v x head_dim,
+    output gate, short convolutions of width 4."""
+    from fla.layers.gated_deltanet import GatedDeltaNet
+
+    return GatedDeltaNet(hidden_size=config.n_embd, num_heads=config.n_head, head_dim=config.head_dim,
+                         expand_v=config.gdn_expand_v, use_gate=True, use_short_conv=True, conv_size=4,
+                         norm_eps=config.norm_eps, layer_idx=0)
+
+
+# Forward FLOPs per token of one layer's recurrence, from its recurrent form (FoX, arXiv:2503.02130 App. B.2,
+# Table 6: 20 d_model d_state for Mamba-2, 5 d_model d_head for HGRN2, 6 d_model d_head for DeltaNet, i.e.
+# 6 x heads x key width x value width, which Gated DeltaNet's value heads of gdn_expand_v x head_dim also take).
+def recurrence_flops(config):
+    d, h, dh = config.n_embd, config.n_head, config.head_dim
+    return int({"mamba2": 20 * d * config.ssm_state_size,
+                "hgrn2": 5 * d * dh,
+                "deltanet": 6 * d * dh,
+                "gated_deltanet": 6 * h * dh * dh * config.gdn_expand_v}[config.attention])
+
+
+# ----------------------------------------------------------------------------- the adapter and its cache
+
+class RecurrentCache:
+    """One layer's recurrent state between forward calls (fla's Cache, the layer at index 0): a fixed size
+    whatever the number of positions. `length` counts the positions consumed."""
+
+    group = None   # never sharded: there is no sequence axis to split (RecurrentLayer.new_cache)
+
+    def __init__(self):
+        from fla.models.cache_utils import Cache
+
+        self.state = Cache()
+        self.length = 0
+
+
+def match_fla_init_and_decay(layer, std):
+    """What GPT._init_weights and GPT.param_groups do not know of an fla layer, set as FLA's models do
+    (PreTrainedModel._init_weights): its convolutions N(0, std) with zero bias (GPT._init_weights draws the
+    Linear weights alike); and its norm scales, like A_log, D and dt_bias already, marked `_no_weight_decay`."""
+    from fla.modules import FusedRMSNormGated, RMSNorm
+    from fla.modules.layernorm_gated import RMSNormGated
+
+    for module in layer.modules():
+        if isinstance(module, nn.Conv1d):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        if isinstance(module, (RMSNorm, FusedRMSNormGated, RMSNormGated)):
+            for p in module.parameters():
+                p._no_weight_decay = True
+
+
+class RecurrentLayer(nn.Module):
+    """An fla layer in the place of attention: forward(x, rope, cache) -> y, (B, T, n_embd) both ways.
+    Positions come from the recurrence itself: `rope` is unused (GPTConfig requires pos=none)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attention = config.attention
+        self.layer = BUILDERS[config.attention](config)
+        out = self.layer.out_proj if config.attention == "mamba2" else self.layer.o_proj
+        out.residual_proj = True          # GPT._init_weights: FLA's rescaled residual init (rescale_prenorm_residual)
+        match_fla_init_and_decay(self.layer, config.init_std)
+        # by name: FSDP2 replaces the parameter objects, and with them the marks
+        self._no_decay = {n for n, p in self.layer.named_parameters() if getattr(p, "_no_weight_decay", False)}
+        self._recurrence_flops = recurrence_flops(config)
+        if interpreting():
+            take_first_autotune_config()
+
+    def forward(self, x, rope, cache=None):
+        if cache is None:
+            return self.fresh(x)
+        y = self.continued(x, cache)
+        cache.length += x.size(1)
+        return y
+
+    def fresh(self, x):
+        """A sequence from its start, no state kept (training, uncached evaluation)."""
+        fla_kernels_ready(x, self.attention)
+        return self.layer(x)[0]
+
+    def continued(self, x, cache):
+        """T positions continuing the cached state (the first call: a prompt from its start)."""
+        fla_kernels_ready(x, self.attention)
+        return self.layer(x, past_key_values=cache.state, use_cache=True)[0]
+
+    def no_decay_params(self):
+        """The parameters FLA trains without weight decay (GPT.param_groups): A_log, D, dt_bias, norm scales."""
+        return [p for n, p in self.layer.named_parameters() if n in self._no_decay]
+
+    def new_cache(self, batch_size, max_len, device, dtype, group=None):
+        if group is not None:
+            raise ValueError(f"attention={self.attention} is recurrent: its cache is a fixed-size state with no "
+                             "sequence axis to shard, so tree (sharded) decoding does not apply; decode on one "
+                             "device (no process group)")
+        return RecurrentCache()
+
+    def flops_per_token(self, seq_len):
+        return 3 * self._recurrence_flops      # forward + backward (2x)
+
+
+class Mamba2Layer(RecurrentLayer):
+    """fla's Mamba2 with `mamba2_scan` for whole sequences (training, prompts) and the layer's own one-token
+    step for decoding (fla's Mamba2 takes a cached state one token at a time)."""
+
+    def fresh(self, x):
+        return mamba2_scan(self.layer, x)[0]
+
+    def continued(self, x, cache):
+        if cache.length == 0:
+            y, conv_state, ssm_state = mamba2_scan(self.layer, x, keep_state=True)
+            cache.state.update(recurrent_state=ssm_state, conv_state=conv_state, layer_idx=0, offset=x.size(1))
+            return y
+        return torch.cat([self.layer(x[:, t:t + 1], past_key_values=cache.state, use_cache=True)[0]
+                          for t in range(x.size(1))], dim=1)
+
+
+def mamba2_scan(layer, x, keep_state=False):
+    """fla's Mamba2 `layer` (n_groups 1) over x (B, T, d) from the start -> (y, conv_state, ssm_state), the
+    states as the layer's own forward returns them (None unless keep_state).
+
+    The SSD recurrence h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T, y_t = h_t C_t + D x_t (arXiv:2405.21060
+    §3-§4) is scalar-decay linear attention with q = C, k = B, v = dt x, log-decay dt A and scale 1: fla's
+    chunk_simple_gla on a GPU, its fused_recurrent_simple_gla elsewhere (the Triton interpreter). On CPU without
+    the interpreter, the layer's own (naive) forward.
+    """
+    if not (x.is_cuda or interpreting()):
+        return layer.torch_forward(x, use_cache=keep_state)
+    from fla.ops.simple_gla import chunk_simple_gla, fused_recurrent_simple_gla
+
+    B, T, _ = x.shape
+    inner, state = layer.intermediate_size, layer.ssm_state_size
+    gate, xbc, dt = layer.in_proj(x).split([inner, layer.conv_dim, layer.num_heads], dim=-1)
+    conv_state = F.pad(xbc.transpose(1, 2), (layer.conv_kernel_size - T, 0)) if keep_state else None
+    xbc = layer.act(layer.conv1d(xbc.transpose(1, 2))[..., :T].transpose(1, 2))
+    xs, b, c = xbc.split([inner, state, state], dim=-1)
+    dt = F.softplus(dt.float() + layer.dt_bias).clamp(*layer.dt_limit)          # (B, T, H), fp32
+    log_decay = dt * -torch.exp(layer.A_log.float())
+    xs = xs.reshape(B, T, layer.num_heads, layer.head_dim)
+    b, c = (z[:, :, None].expand(B, T, layer.num_heads, state) for z in (b, c))
+    scan = chunk_simple_gla if x.is_cuda else fused_recurrent_simple_gla
+    y, ssm_state = scan(q=c, k=b, v=xs * dt[..., None].to(xs.dtype), g=log_decay, scale=1.0,
+                        output_final_state=keep_state, state_v_first=True)
+    y = y + xs * layer._get_D(expand_to_head_dim=True).to(xs.dtype)
+    y = layer.norm(y.reshape(B, T, inner), gate)
+    return layer.out_proj(y.to(x.dtype)), conv_state, ssm_state
+
+
+BUILDERS = {"mamba2": build_mamba2, "hgrn2": build_hgrn2, "deltanet": build_deltanet,
+            "gated_deltanet": build_gated_deltanet}
+LAYERS = {name: Mamba2Layer if name == "mamba2" else RecurrentLayer for name in RECURRENT_ATTENTIONS}
