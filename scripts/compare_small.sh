@@ -1,16 +1,32 @@
 #!/usr/bin/env bash
-# The small-scale comparison of docs/results.md: Baseline (two seeds), CASTLE, CASTLE-SWL, Transformer (Pro)
-# and FoX (Pro) at ~30M parameters on the same 11.8M Wikipedia tokens in the same order
-# (configs/experiment/compare_XS.yaml), then the per-token loss L(i) to 4x the training context and
-# the plots. Runs as many variants at once as there are GPUs (one per GPU).
+# The small-scale comparisons of docs/results.md at ~30M parameters on the same 11.8M Wikipedia tokens in the
+# same order (configs/experiment/compare_XS.yaml), then the per-token loss L(i) to 4x the training context
+# and the plots. Runs as many variants at once as there are GPUs (one per GPU).
+#   SET=main       Baseline (two seeds: the noise level), CASTLE, CASTLE-SWL, Transformer (Pro), FoX (Pro)
+#   SET=ablations  the papers' controls (issue 48): Baseline (two seeds), FoX (Pro) with its three forget gates
+#                  (FoX arXiv:2503.02130 §4.5), Transformer-SWA (W = 256, 1/8 of the context as in §F.4),
+#                  CASTLE with and without causal keys (4 heads: the baseline's parameters) and without SiLU
+#                  (arXiv:2509.07301 Tables 5, 10), and the recurrent baselines through fla
 #   python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text
-#   bash scripts/compare_small.sh [DATA_DIR=.gpu_data/text] [OUT=runs/compare]
+#   [SET=main|ablations] bash scripts/compare_small.sh [DATA_DIR=.gpu_data/text] [OUT=runs/compare]
 #   EXTRA="train.max_steps=3 train.seq_len=64" bash scripts/compare_small.sh ...   # a quick smoke run
 set -euo pipefail
 DATA=${1:-.gpu_data/text}; OUT=${2:-runs/compare}; mkdir -p "$OUT"
 NGPU=$(python -c "import torch; print(max(1, torch.cuda.device_count()))")
-RUNS=("baseline model=llama" "baseline_seed2 model=llama train.seed=2" "castle model=castle"
-      "castle_swl model=castle_swl" "transformer_pro model=transformer_pro" "fox_pro model=fox_pro")
+BASELINES=("baseline model=llama" "baseline_seed2 model=llama train.seed=2")
+case ${SET:-main} in
+  main) RUNS=("${BASELINES[@]}" "castle model=castle" "castle_swl model=castle_swl"
+              "transformer_pro model=transformer_pro" "fox_pro model=fox_pro") ;;
+  ablations) RUNS=("${BASELINES[@]}" "fox_pro model=fox_pro" "fox_pro_bias_only model=fox_pro model.fgate=bias_only"
+                   "fox_pro_fixed model=fox_pro model.fgate=fixed model.fgate_tmin=2 model.fgate_tmax=2048"
+                   "transformer_swa model=llama model.attention_window=256" "castle model=castle"
+                   "castle_no_causal_keys model=castle model.castle_causal_keys=false model.castle_match_heads=false model.n_head=4"
+                   "castle_no_silu model=castle model.castle_silu=false"
+                   "mamba2 model=mamba2 model.n_layer=11 model.n_head=12"
+                   "gated_deltanet model=gated_deltanet model.n_head=3 model.head_dim=64"
+                   "hgrn2 model=hgrn2 model.n_head=3 model.head_dim=128") ;;
+  *) echo "SET=$SET: choose main or ablations" >&2; exit 2 ;;
+esac
 
 run() {  # gpu name overrides...
   local gpu=$1 name=$2; shift 2
