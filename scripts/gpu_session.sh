@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
 # GPU checks and measurements, one stage per device call (each fits the 10-minute limit);
 # logs land in $OUT (or ./gpu_logs).
-#   bash scripts/gpu_session.sh tests                # every GPU-marked test (kernels at real shapes, bf16, compile)
+#   bash scripts/gpu_session.sh tests                # the GPU-marked tests of the CASTLE kernels and the whole model
+#   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
-#   bash scripts/gpu_session.sh kernels              # FoX vs its peers, CASTLE D=128 tile sweep, CASTLE decode latency
+#   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels on/off, against plain PyTorch
+#   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
+#   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
-#   bash scripts/gpu_session.sh compare              # the small-scale comparison (scripts/compare_small.sh), one run per GPU
+#   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves, FSDP2 + checkpointing at XL
+#   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
-# carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh, .gpu_data/text with
+# carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
+# `pip download --no-deps -d .whl flash-linear-attention==0.6.0 einops` (the recurrent layers),
+# `pip install --no-deps --target .whl/liger liger-kernel==0.8.5` and `cp ../shared/bench/plain_llama_step.py .whl/`
+# (stage fused); .gpu_data/text with
 # `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`.
 # Keep each stage under the device's 10-minute limit: compiling takes 1.5-5 minutes per model (the CASTLE M
 # models the longest), so give `train` two to four models per call.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site
+  && export PYTHONPATH=/tmp/site:.whl/liger
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"; git log --oneline -1 >> "$OUT/env.txt"
 case "${1:-tests}" in
-  tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py \
-             tests/test_forgetting_kernels.py tests/test_tree.py tests/test_sharded_decode.py 2>&1 \
+  tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
+  tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
+             tests/test_tree.py tests/test_sharded_decode.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
+           python -m pytest -q -rs tests/test_fused.py 2>&1 | tee "$OUT/pytest_fused.log" | tail -4 ;;
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
+  fused)   python -m scripts.bench_train --models baseline_paper_S --fused none loss=chunked norm swiglu=packed all \
+             --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
+  memory)  for args in "baseline_paper_S castle_paper_M --batch 8" "fox_pro_360M --batch 1" "baseline_paper_XL --batch 8"; do
+             python -m scripts.bench_memory --models $args --modes none full --steps 2 --warmup 1 2>&1 \
+               | tee -a "$OUT/bench_memory.log" | tail -6
+           done ;;
   kernels) python -m scripts.bench_forgetting --L 2048 16384 2>&1 | tee "$OUT/bench_forgetting.log" | tail -12
+           timeout 300 python -m scripts.bench_forgetting --window 2048 --L 4096 16384 --D 64 128 2>&1 \
+             | tee "$OUT/bench_swa.log" | tail -16
            python -m scripts.bench_castle --L 2048 --D 128 --B 8 --H 16 --dtype bf16 --sweep --jobs 16 2>&1 \
              | tee "$OUT/castle_sweep_d128.log" | tail -22
            python -m scripts.bench_castle --decode 2>&1 | tee "$OUT/bench_castle_decode.log" | tail -10 ;;
@@ -34,7 +51,20 @@ case "${1:-tests}" in
            python -m pytest -m gpu -q -rs tests/test_tree.py tests/test_sharded_decode.py 2>&1 | tee "$OUT/pytest_2gpu.log" | tail -4
            python -m scripts.bench_scaling --gpus $(printf "%s\n" 1 2 $N | sort -un) --steps 14 --skip 4 --out /tmp/scaling -- experiment=baseline_paper_M \
              data=text data.dir=.gpu_data/text train.micro_batch_size=16 2>&1 | tee "$OUT/scaling.log" | tail -10 ;;
+  scale)   N=$(nvidia-smi -L | wc -l)
+           for fmt in full dcp "dcp train.ckpt_async=true"; do   # unquoted below: the async case is two overrides
+             torchrun --standalone --nproc_per_node=$N train.py experiment=baseline_paper_XL data=text \
+               data.dir=.gpu_data/text train.parallel=fsdp train.micro_batch_size=4 train.global_batch_tokens=null \
+               train.max_steps=3 train.ckpt_interval=1 train.keep_last=3 train.eval_interval=1000 \
+               train.eval_tokens=32768 train.sample_tokens=0 train.out_dir=/tmp/ckpt_bench/${fmt// /_} \
+               train.ckpt_format=$fmt > "$OUT/ckpt_${fmt// /_}.log" 2>&1
+           done
+           grep -H ckpt_ /tmp/ckpt_bench/*/metrics.jsonl | tee "$OUT/ckpt_bench.txt"
+           torchrun --standalone --nproc_per_node=$N train.py experiment=castle_paper_XL data=text data.dir=.gpu_data/text \
+             train.parallel=fsdp train.activation_checkpointing=selective train.max_steps=8 train.log_interval=2 \
+             train.global_batch_tokens=null train.eval_interval=1000 train.eval_tokens=32768 train.ckpt_interval=1000 \
+             train.sample_tokens=0 train.out_dir=/tmp/xl_fsdp 2>&1 | tee "$OUT/castle_xl_fsdp.log" | grep -a "memory plan\|done" ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: tests | train | kernels | multi | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | compare"; exit 2 ;;
 esac
