@@ -75,7 +75,7 @@ class GPTConfig:
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
     # Fused kernels (kernels/fused): how the model computes, not what (outputs and gradients match the unfused path
     # to rounding); off is the unfused reference path
-    fused_loss: str = "none"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
+    fused_loss: str = "chunked"         # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
     fused_norm: bool = False            # Triton RMSNorm; the block's attention residual add fused into its MLP norm
     fused_swiglu: str = "none"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
