@@ -1,5 +1,6 @@
 """model/gpt.py: shapes, parameter counts, learning, causality, cached generation."""
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,8 +80,13 @@ def test_forward_shapes_and_loss(config):
     model = GPT(config)
     idx, targets = torch.randint(0, config.vocab_size, (2, 3, 11))
     logits, loss = model(idx, targets)
-    assert logits.shape == (3, 11, config.vocab_size)
+    assert logits is None            # the default fused loss (model.fused_loss=chunked) never forms the logits
     assert abs(loss.item() - torch.log(torch.tensor(config.vocab_size)).item()) < 0.5   # near uniform at init
+    unfused = GPT(replace(config, fused_loss="none"))
+    unfused.load_state_dict(model.state_dict())
+    logits, unfused_loss = unfused(idx, targets)
+    assert logits.shape == (3, 11, config.vocab_size)
+    torch.testing.assert_close(unfused_loss, loss)
     logits, loss = model(idx)
     assert loss is None and logits.shape == (3, 11, config.vocab_size)
 
