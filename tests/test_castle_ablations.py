@@ -5,6 +5,7 @@ model: parameter counts, cached decoding, and the errors for options set on a mo
 """
 import pytest
 import torch
+import test_model
 from test_entry_errors import assert_one_line_error, run
 from test_model import experiment_model, tiny
 
@@ -54,16 +55,12 @@ def test_attention_parameters_without_causal_keys():
 
 @pytest.mark.parametrize("name", ABLATED)
 def test_cached_logits_equal_parallel_logits(name):
-    """Prefill, single positions, then three at once through the UQ-KV cache: the full forward's logits."""
-    model = GPT(tiny(**ABLATED[name])).double().eval()
-    idx = torch.randint(0, 97, (2, 15))
-    full, _ = model(idx)
-    cache = model.new_cache(2, 15)
-    pieces = [model(idx[:, :5], cache=cache)[0]]
-    pieces += [model(idx[:, t:t + 1], cache=cache)[0] for t in range(5, 12)]
-    pieces.append(model(idx[:, 12:], cache=cache)[0])
-    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-9, atol=1e-9)
-    assert all(c.causal_keys == model.config.castle_causal_keys for c in cache.layers)
+    """Prefill, single positions, then three at once through the UQ-KV cache: the full forward's logits
+    (test_model's check), with the cache built for the ablation."""
+    config = tiny(**ABLATED[name])
+    test_model.test_cached_logits_equal_parallel_logits(config)
+    cache = GPT(config).new_cache(2, 15)
+    assert all(c.causal_keys == config.castle_causal_keys for c in cache.layers)
 
 
 def test_cached_greedy_generation_equals_uncached():
