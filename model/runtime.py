@@ -236,13 +236,8 @@ def entry_point(config_name, literal_keys=()):
         @functools.wraps(task)
         def job(cfg):
             try:
-                return task(cfg)
-            except USER_ERRORS as e:
-                fail(e, 2)
-            except OSError as e:
-                if e.errno not in DISK_FULL_ERRNOS:
-                    raise
-                fail(e, 1)
+                with user_errors():
+                    return task(cfg)
             except KeyboardInterrupt:
                 raise SystemExit(130) from None
 
@@ -258,6 +253,21 @@ def entry_point(config_name, literal_keys=()):
                     fail(ValueError(f"{e}{groups_with_option(str(e))}"), 2)
         return main
     return decorate
+
+
+@contextlib.contextmanager
+def user_errors():
+    """The entry points' error policy, for the argparse scripts too: bad input (USER_ERRORS) prints
+    `<script>: error: <message>` as one line and exits 2, a full disk one line and exit 1; anything
+    else is a bug and keeps its traceback."""
+    try:
+        yield
+    except USER_ERRORS as e:
+        fail(e, 2)
+    except OSError as e:
+        if e.errno not in DISK_FULL_ERRNOS:
+            raise
+        fail(e, 1)
 
 
 def groups_with_option(message):

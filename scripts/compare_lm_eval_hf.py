@@ -28,6 +28,7 @@ from data.tokenizer import tokenizer_for
 from evaluation.lm_eval_adapter import (GPTLM, check_task_names, data_root, load_tasks, select_tasks, use_local_copies,
                                         write_local_tasks)
 from model.checkpoint import load_model
+from model.runtime import user_errors
 
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 
@@ -125,11 +126,8 @@ def report(task, pairs, ours, theirs, tol, rtol, show):
 
 def main(argv=None):
     args = parse(argv)
-    try:
+    with user_errors():
         return compare(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 def compare(args):

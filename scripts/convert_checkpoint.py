@@ -11,9 +11,9 @@ read it. Written under a temporary name and renamed at the end; an existing --ou
 """
 import argparse
 import os
-import sys
 
 from model.checkpoint import disk_bytes, load_checkpoint, write_checkpoint_file
+from model.runtime import user_errors
 
 
 def convert(src, out):
@@ -32,11 +32,8 @@ def main(argv=None):
     p.add_argument("--src", required=True, help="ckpt_<step>.dcp directory, or run directory (its newest checkpoint)")
     p.add_argument("--out", required=True, help="the .pt file to write (must not exist)")
     args = p.parse_args(argv)
-    try:
+    with user_errors():
         file = convert(args.src, args.out)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
-        raise SystemExit(2) from None
     print(f"wrote {args.out} ({disk_bytes(args.out) / 1e6:,.1f} MB) from {file}")
 
 

@@ -12,11 +12,11 @@ AttnLMForCausalLM whose self-contained modeling file is written into the directo
 The directory is written under a temporary name and renamed at the end: nothing half-written is left.
 """
 import argparse
-import sys
 
 import torch
 
 from model.hf.convert import HF_CLASSES, check_export, export_hf
+from model.runtime import user_errors
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,7 +39,7 @@ def parse(argv):
 
 def main(argv=None):
     args = parse(argv)
-    try:
+    with user_errors():
         dtype = DTYPES.get(args.dtype)
         arch = export_hf(args.ckpt, args.out, args.format, dtype, args.allow_json_tokenizer)
         remote = " (load with trust_remote_code=True)" if arch == "custom" else ""
@@ -49,9 +49,6 @@ def main(argv=None):
             print(f"check: max |logit difference| {diff:.3g} (max |logit| {scale:.3g})")
             if diff > 1e-4 * max(1.0, scale):
                 raise ValueError(f"the exported model's logits differ from the checkpoint's by {diff:.3g}")
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ exactly this model. Those overrides are printed: train.py with them and train.re
 pretraining. Written under a temporary name and renamed at the end: nothing half-written is left.
 """
 import argparse
-import sys
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from omegaconf import OmegaConf
 
 from model.gpt import GPTConfig
 from model.hf.convert import read_hf_model, write_imported_run
+from model.runtime import user_errors
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -61,13 +61,10 @@ def main(argv=None):
     p.add_argument("--src", required=True, help="local Hugging Face model directory (config.json + weights)")
     p.add_argument("--out", required=True, help="new run directory to write (must not exist, or be empty)")
     args = p.parse_args(argv)
-    try:
+    with user_errors():
         config, state = read_hf_model(args.src)
         train_cfg, overrides = training_config(config, args.out)
         path = write_imported_run(args.out, config, state, train_cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2)
     n_params = sum(v.numel() for k, v in state.items() if k != "lm_head.weight" or not config.tie_embeddings)
     print(f"wrote {path} ({n_params / 1e6:.1f}M parameters)\n"
           f"continue pretraining: python train.py {' '.join(overrides)} train.resume={path}")

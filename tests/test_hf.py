@@ -273,7 +273,7 @@ def test_imported_run_works_with_sample_and_eval(tmp_path):
     assert r.returncode == 0 and (tmp_path / "run" / "results.json").is_file(), r.stderr
     assert "tint_sim" in json.dumps(json.loads((tmp_path / "run" / "results.json").read_text())["tint"]["text"])
     r = run("-m", "scripts.import_hf", "--src", str(tmp_path / "missing"), "--out", str(tmp_path / "x"))
-    assert r.returncode == 2 and r.stderr.startswith("error: ") and "no config.json" in r.stderr
+    assert r.returncode == 2 and r.stderr.startswith("import_hf.py: error: ") and "no config.json" in r.stderr
     assert not (tmp_path / "x").exists()
 
 
