@@ -41,7 +41,7 @@ from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
 from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkpoints, atomic_write,
                               checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
                               load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
-                              remove_stale_temp_files, save_checkpoint, saved_model_config)
+                              remove_stale_temp_files, run_dir_of, save_checkpoint, saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OPTIONS, GPT, GPTConfig
 from model.memory_plan import MEMORY_CHECKS, check_fits, describe, memory_plan
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
@@ -272,17 +272,12 @@ def same_path(a, b):
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def parent_dir(path):
-    """The directory holding a checkpoint file or DCP directory (`runs/x/ckpt_4.dcp/` -> runs/x)."""
-    return os.path.dirname(os.path.normpath(path)) or "."
-
-
 def resume_checkpoint(cfg):
     """(file, checkpoint) to resume from, or (None, None) for a fresh run; refuses a fresh run in a
     directory that holds checkpoints unless train.if_exists=archive."""
     out_dir, resume = cfg.train.out_dir, cfg.train.resume
     in_out_dir = resume == "auto" or same_path(resume, out_dir) or (
-        is_checkpoint(resume) and same_path(parent_dir(resume), out_dir))
+        is_checkpoint(resume) and same_path(run_dir_of(resume), out_dir))
     if in_out_dir:
         if resume == "auto" and not checkpoint_files(out_dir):
             return None, None
@@ -408,12 +403,6 @@ def realised_mix(loader):
     return {"data_mix": {name: n / total for name, n in counts.items()}} if len(counts) > 1 and total else {}
 
 
-def duration(seconds):
-    """3725.2 -> '1:02:05'"""
-    minutes, secs = divmod(round(seconds), 60)
-    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
-
-
 def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
     """Final lines of a run, and loss.png in the run dir."""
     plot = plot_runs([out_dir], os.path.join(out_dir, "loss.png"))
@@ -470,7 +459,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         step, wandb_id = ckpt["step"], ckpt.get("wandb_id")
         del ckpt
     # the checkpoint already in out_dir for this step, if the run resumes from one there
-    last_ckpt = resume_file if resume_file and same_path(parent_dir(resume_file), out_dir) else None
+    last_ckpt = resume_file if resume_file and same_path(run_dir_of(resume_file), out_dir) else None
 
     if dist_info.master:
         prepare_run_dir(cfg, out_dir, step, resumed_here=last_ckpt is not None)
@@ -602,7 +591,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                 if dist_info.master:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
                                     **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),
-                                    eta=duration(record["eta_s"]))
+                                    eta=tqdm.format_interval(record["eta_s"]))
                     metrics.log(record)
             if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
                 val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))

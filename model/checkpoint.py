@@ -92,6 +92,11 @@ def checkpoint_path(run_dir, step, ckpt_format="full"):
     return os.path.join(run_dir, f"ckpt_{step}{SUFFIX[ckpt_format]}")
 
 
+def run_dir_of(path):
+    """The run directory holding a checkpoint file or DCP directory (`runs/x/ckpt_4.dcp/` -> runs/x)."""
+    return os.path.dirname(os.path.normpath(path)) or "."
+
+
 def checkpoint_step(path):
     """The step of a checkpoint name, or None for any other name."""
     match = CHECKPOINT_NAME.fullmatch(os.path.basename(os.path.normpath(path)))
@@ -180,8 +185,7 @@ def load_checkpoint(path, dcp_parts=DCP_STATE):
         try:
             return path, read_checkpoint(path, dcp_parts=dcp_parts)
         except UnreadableCheckpoint as e:
-            parent = os.path.dirname(path) or "."
-            others = [f for f in checkpoint_files(parent) if not os.path.samefile(f, path)]
+            others = [f for f in checkpoint_files(run_dir_of(path)) if not os.path.samefile(f, path)]
             good = next((f for f in reversed(others) if is_readable(f)), None)
             hint = (f"the newest readable checkpoint beside it is {good}" if good
                     else "no checkpoint beside it is readable")
