@@ -75,7 +75,8 @@ class GPTConfig:
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
     # Fused kernels (kernels/fused): how the model computes, not what (outputs and gradients match the unfused path
     # to rounding); off is the unfused reference path
-    fused_loss: str = "chunked"         # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
+    fused_loss: str = "auto"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits |
+                                        # "auto": chunked on CUDA, none elsewhere (fused_loss_impl)
     fused_norm: bool = False            # Triton RMSNorm; the block's attention residual add fused into its MLP norm
     fused_swiglu: str = "none"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
@@ -152,7 +153,7 @@ class GPTConfig:
                              f"do not drop); set model.dropout=0 (got {self.dropout})")
 
     def _check_fused(self):
-        for name, allowed in [("fused_loss", LOSS_IMPLS), ("fused_swiglu", FUSED_SWIGLU)]:
+        for name, allowed in [("fused_loss", LOSS_CHOICES), ("fused_swiglu", FUSED_SWIGLU)]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
         if self.fused_norm and self.norm != "rmsnorm":
@@ -194,6 +195,16 @@ class GPTConfig:
 
 FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # GPTConfig fields that change no result
 FUSED_SWIGLU = ("none", "packed", "triton")
+LOSS_CHOICES = LOSS_IMPLS + ("auto",)
+
+
+def fused_loss_impl(fused_loss, device_type):
+    """GPTConfig.fused_loss with "auto" resolved for a device: the chunked loss on CUDA (the unfused speed without
+    the (tokens x vocab) logits in memory), the unfused one elsewhere (on CPU the chunked loss's passes over
+    its fp32 chunks make a small model's step about 1.5x slower)."""
+    if fused_loss != "auto":
+        return fused_loss
+    return "chunked" if device_type == "cuda" else "none"
 
 
 class RMSNorm(nn.Module):
@@ -864,9 +875,10 @@ class GPT(nn.Module):
         _, x = add_and_norm(x, y, self.norm_f)
         if last_only:
             x = x[:, -1:]
-        if targets is not None and self.config.fused_loss != "none":
+        fused_loss = fused_loss_impl(self.config.fused_loss, x.device.type)
+        if targets is not None and fused_loss != "none":
             return None, linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                              ignore_index=-1, impl=self.config.fused_loss)
+                                              ignore_index=-1, impl=fused_loss)
         logits = self.lm_head(x)
         loss = None
         if targets is not None:

@@ -59,7 +59,7 @@ import torch
 
 from kernels.fused.cross_entropy import DEFAULT_CHUNK
 from kernels.triton_utils import padded_head_dim
-from model.gpt import GPT, mlp_hidden_size
+from model.gpt import GPT, fused_loss_impl, mlp_hidden_size
 
 GiB = 2 ** 30
 CUDA_CONTEXT_BYTES = GiB      # CUDA context (~0.5 GiB) + cuBLAS / cuDNN workspaces + fragmentation
@@ -189,9 +189,9 @@ def last_recompute_bytes(flags, kept_block, block_input, recompute, grads):
     return worst
 
 
-def logits_bytes(c, B, T, a, compiled):
+def logits_bytes(c, B, T, a, compiled, device_type):
     """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
-    if c.fused_loss != "none":
+    if fused_loss_impl(c.fused_loss, device_type) != "none":
         # one chunk in flight: eager, its logits, logits - lse, probabilities, the target mask, probs - 1 and
         # the masked gradient (measured on CPU: 17-18 bytes per element); compiled, inductor fuses the
         # elementwise ops down to fp32 logits, probabilities and the gradient (measured on an H200)
@@ -234,7 +234,7 @@ def memory_plan(config, *, micro_batch, seq_len, world=1, parallel="ddp", activa
     activations = (sum(block_input if f else saved_block for f in flags)
                    + head_bytes_per_token(c, a, cpu) * tokens)
     recompute = (saved_block + block_copies + backward_transient_per_token(c, a) * tokens) if any(flags) else 0
-    logits_saved, logits_grads = logits_bytes(c, B, T, a, compiled)
+    logits_saved, logits_grads = logits_bytes(c, B, T, a, compiled, device_type)
     terms = {
         "params": FP32 * resident,
         "grads": FP32 * resident,

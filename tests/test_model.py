@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
 from model.gpt import (ATTENTIONS, GPT, RECURRENT_ATTENTIONS, GPTConfig, apply_rope, check_sampling_options,
-                       keys_per_query, mlp_hidden_size, rope_tables, sample_token, split_heads)
+                       fused_loss_impl, keys_per_query, mlp_hidden_size, rope_tables, sample_token, split_heads)
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)
@@ -77,10 +77,10 @@ def test_swiglu_hidden_rounding():
 
 @pytest.mark.parametrize("config", variant_configs())
 def test_forward_shapes_and_loss(config):
-    model = GPT(config)
+    model = GPT(replace(config, fused_loss="chunked"))
     idx, targets = torch.randint(0, config.vocab_size, (2, 3, 11))
     logits, loss = model(idx, targets)
-    assert logits is None            # the default fused loss (model.fused_loss=chunked) never forms the logits
+    assert logits is None            # the fused loss never forms the logits
     assert abs(loss.item() - torch.log(torch.tensor(config.vocab_size)).item()) < 0.5   # near uniform at init
     unfused = GPT(replace(config, fused_loss="none"))
     unfused.load_state_dict(model.state_dict())
@@ -89,6 +89,18 @@ def test_forward_shapes_and_loss(config):
     torch.testing.assert_close(unfused_loss, loss)
     logits, loss = model(idx)
     assert loss is None and logits.shape == (3, 11, config.vocab_size)
+
+
+def test_fused_loss_auto_is_chunked_on_cuda_only():
+    assert GPTConfig().fused_loss == "auto"
+    assert [fused_loss_impl("auto", d) for d in ("cuda", "cpu", "mps")] == ["chunked", "none", "none"]
+    assert fused_loss_impl("liger", "cpu") == "liger" and fused_loss_impl("none", "cuda") == "none"
+    model = GPT(tiny())                           # auto on CPU: the unfused path, which returns the logits
+    idx, targets = torch.randint(0, model.config.vocab_size, (2, 2, 7))
+    logits, loss = model(idx, targets)
+    assert logits.shape == (2, 7, model.config.vocab_size) and loss.isfinite()
+    with pytest.raises(ValueError, match="fused_loss='fast' is unknown.*auto"):
+        GPTConfig(fused_loss="fast")
 
 
 def test_tied_and_untied_embeddings():
