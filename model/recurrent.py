@@ -22,10 +22,15 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import triton
+from packaging.version import Version
 
 from kernels.triton_utils import interpreting
 
 RECURRENT_ATTENTIONS = ("mamba2", "hgrn2", "deltanet", "gated_deltanet")
+# fla's gated chunk backward (chunk_bwd_dqkwg with a decay: Mamba-2's scan through chunk_simple_gla, Gated DeltaNet)
+# computes wrong gradients on Hopper GPUs with Triton >= 3.4.0, < 3.7.1, so fla raises there (fla issue #640)
+GATED_BACKWARD = ("mamba2", "gated_deltanet")
 
 
 def fla_kernels_ready(x, attention):
@@ -33,6 +38,21 @@ def fla_kernels_ready(x, attention):
     if not (x.is_cuda or interpreting()):
         raise ValueError(f"attention={attention} runs the Triton kernels of fla: it needs a CUDA GPU, or "
                          "TRITON_INTERPRET=1 on CPU (slow; for tests)")
+
+
+def check_trainable(attention, device):
+    """Before training: a ValueError when fla would refuse this layer's backward on `device` (GATED_BACKWARD)."""
+    if device.type == "cuda" and attention in GATED_BACKWARD:
+        refuse_gated_backward(attention, torch.cuda.get_device_capability(device), triton.__version__)
+
+
+def refuse_gated_backward(attention, capability, triton_version):
+    if capability[0] == 9 and Version("3.4.0") <= Version(triton_version) < Version("3.7.1"):
+        raise ValueError(f"attention={attention} cannot train on a Hopper GPU with Triton {triton_version}: fla's gated "
+                         "chunk backward computes wrong gradients with Triton >= 3.4.0, < 3.7.1 there and refuses to "
+                         "run (fla issue #640). Use Triton >= 3.7.1 (with a torch built for it) or another GPU "
+                         "generation (e.g. an A100), or train model=hgrn2 or model=deltanet; decoding and evaluation "
+                         "of a trained model work")
 
 
 def take_first_autotune_config():

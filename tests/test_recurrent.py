@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from model.checkpoint import load_model
 from model.gpt import GPT, GPTConfig
 from model.hf.convert import checkpoint_dict, export_hf
-from model.recurrent import mamba2_scan
+from model.recurrent import GATED_BACKWARD, check_trainable, mamba2_scan, refuse_gated_backward
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 CUDA = torch.cuda.is_available()
@@ -48,13 +48,28 @@ def device():
     return "cuda" if CUDA else "cpu"
 
 
+def backward_unless_refused(name, loss):
+    """loss.backward(), True; or, where check_trainable refuses the layer on loss's device, False after checking
+    that fla's own backward refuses it too (the check mirrors fla's)."""
+    try:
+        check_trainable(name, loss.device)
+    except ValueError:
+        assert name in GATED_BACKWARD
+        with pytest.raises(RuntimeError, match="Triton >= 3.7.1"):
+            loss.backward()
+        return False
+    loss.backward()
+    return True
+
+
 @pytest.mark.parametrize("name", variants())
 def test_training_step_is_finite_and_every_weight_gets_a_gradient(name):
     model = GPT(tiny(name)).to(device())
     idx = torch.randint(0, 97, (2, 23), device=device())
     _, loss = model(idx[:, :-1], targets=idx[:, 1:])
     assert torch.isfinite(loss) and abs(loss.item() - torch.log(torch.tensor(97.0)).item()) < 1.0
-    loss.backward()
+    if not backward_unless_refused(name, loss):
+        return
     no_grad = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
     assert not no_grad, f"no gradient reached {no_grad}"
 
@@ -235,6 +250,16 @@ def test_experiment_parameter_counts_match_the_transformer_within_2_percent(name
     assert abs(n - n_ref) / n_ref < 0.02, f"{name}: {n} parameters vs {reference[0]}'s {n_ref}"
 
 
+def test_the_gated_backward_is_refused_on_hopper_with_triton_before_3_7_1():
+    for capability, version in [((9, 0), "3.4.0"), ((9, 0), "3.6.0"), ((9, 0), "3.7.0+git1a2b")]:
+        with pytest.raises(ValueError, match=r"attention=mamba2 cannot train on a Hopper GPU .*Triton >= 3\.7\.1.*hgrn2"):
+            refuse_gated_backward("mamba2", capability, version)
+    for capability, version in [((9, 0), "3.3.1"), ((9, 0), "3.7.1"), ((8, 0), "3.6.0"), ((10, 0), "3.6.0")]:
+        refuse_gated_backward("gated_deltanet", capability, version)
+    for name in VARIANTS:
+        check_trainable(name, torch.device("cpu"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", VARIANTS)
 def test_bf16_training_step_on_gpu(name):
@@ -243,7 +268,8 @@ def test_bf16_training_step_on_gpu(name):
     idx = torch.randint(0, 97, (2, 300), device="cuda")
     with torch.autocast("cuda", torch.bfloat16):
         _, loss = model(idx[:, :-1], targets=idx[:, 1:])
-    loss.backward()
+    if not backward_unless_refused(name, loss):
+        return
     assert torch.isfinite(loss) and all(p.grad is not None and torch.isfinite(p.grad).all()
                                         for p in model.parameters())
 
