@@ -27,19 +27,27 @@ def read_metrics(run_dir):
 
 
 def plot_runs(run_dirs, out_path):
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """Train loss (line) and validation loss (dots) per run, one colour and one legend entry per run. The y axis
+    stops at 1.15x the highest final train loss: the runs' early losses, seen in every run alike, would
+    otherwise squeeze the tenths they end apart into a few pixels."""
+    many = len(run_dirs) > 4
+    fig, ax = plt.subplots(figsize=(9 if many else 7, 4.5))
+    colors = plt.get_cmap("tab20" if len(run_dirs) > 10 else "tab10").colors
+    finals = []
     for i, run_dir in enumerate(run_dirs):
         train, val = read_metrics(run_dir)
-        name = os.path.basename(os.path.normpath(run_dir))
-        color = f"C{i}"
+        color = colors[i % len(colors)]
         if train:
-            ax.plot(*zip(*train), color=color, alpha=0.6, label=f"{name} train")
+            ax.plot(*zip(*train), color=color, alpha=0.6, label=os.path.basename(os.path.normpath(run_dir)))
+            finals.append(train[-1][1])
         if val:
-            ax.plot(*zip(*val), "o-", color=color, label=f"{name} val")
+            ax.plot(*zip(*val), "o", color=color, markersize=4)
+    if finals:
+        ax.set_ylim(top=1.15 * max(finals))
     ax.set_xlabel("tokens")
-    ax.set_ylabel("loss")
+    ax.set_ylabel("loss (line: train, dots: validation)")
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small") if many else ax.legend()
     fig.tight_layout()
     atomic_write(out_path, lambda f: fig.savefig(f, format="png", dpi=120))
     plt.close(fig)
