@@ -470,8 +470,8 @@ class DcpSave:
                 self.future.result()
             if self.master:
                 atomic_write(os.path.join(self.tmp, DCP_META), lambda f: torch.save(self.meta, f))
-                if os.path.exists(self.path):       # as os.replace overwrites a .pt of this step
-                    shutil.rmtree(self.path)
+                if os.path.exists(self.path):   # a directory cannot be swapped in one rename: move the old one
+                    archive(self.run_dir, [os.path.basename(self.path)], "replaced")   # aside, never deleted
                 os.replace(self.tmp, self.path)
                 fsync_directory(self.run_dir)
         except BaseException as e:

@@ -197,6 +197,20 @@ def test_rotation_and_discovery_treat_dcp_directories_like_files(tmp_path, capsy
     assert steps_in(tmp_path) == [4, 6, 7]
 
 
+def test_a_dcp_save_of_an_existing_step_archives_the_old_directory(tmp_path):
+    """A directory cannot be replaced by one rename: the old one moves to archive/ first, so a crash between
+    the two renames loses nothing (the new one is then a complete temp directory, the old one archived)."""
+    old, old_model = save_dcp(tmp_path, 3)
+    new, new_model = save_dcp(tmp_path, 3)
+    assert new == old and steps_in(tmp_path) == [3]
+    assert torch.equal(load_checkpoint(new)[1]["model"]["wte.weight"], new_model.wte.weight)
+    (archived,) = (tmp_path / "archive").iterdir()
+    assert archived.name.endswith("-replaced")
+    _, ckpt = load_checkpoint(str(archived / "ckpt_3.dcp"))
+    assert torch.equal(ckpt["model"]["wte.weight"], old_model.wte.weight)
+    assert not torch.equal(old_model.wte.weight, new_model.wte.weight)
+
+
 @pytest.mark.parametrize("missing", ["__0_0.distcp", ".metadata", DCP_META])
 def test_an_incomplete_dcp_directory_is_named_and_skipped(tmp_path, capsys, missing):
     good, _ = save_dcp(tmp_path, 2)
