@@ -6,7 +6,8 @@
 #   SET=main       Baseline (two seeds: the noise level), CASTLE, CASTLE-SWL, Transformer (Pro), FoX (Pro)
 #   SET=ablations  the papers' controls (issue 48): Baseline (two seeds), FoX (Pro) with its three forget gates
 #                  (FoX arXiv:2503.02130 §4.5), Transformer-SWA (W = 256, 1/8 of the context as in §F.4),
-#                  CASTLE with and without causal keys (4 heads: the baseline's parameters) and without SiLU
+#                  CASTLE (3 heads: at XS also CASTLE-16, half the baseline's heads), without causal keys
+#                  (4 heads: the baseline's parameters) and without SiLU
 #                  (arXiv:2509.07301 Tables 5, 10), and the recurrent baselines HGRN2 and DeltaNet through fla
 #                  (Mamba-2 and Gated DeltaNet train only where fla's gated backward runs: not on Hopper GPUs
 #                  with Triton < 3.7.1, see model/recurrent.py; add them there with model=mamba2_XS-like overrides)
