@@ -44,9 +44,10 @@ from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkp
                               remove_stale_temp_files, run_dir_of, save_checkpoint, saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OPTIONS, GPT, GPTConfig
 from model.memory_plan import MEMORY_CHECKS, check_fits, describe, memory_plan
+from model.fp8 import check_fp8_device, convert_to_fp8
 from model.recurrent import check_trainable
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
-                           entry_point, integer, number, one_of, optional, pair, text)
+                           boolean, entry_point, integer, number, one_of, optional, pair, text)
 
 # ----------------------------------------------------------------------------- options
 
@@ -60,7 +61,7 @@ OPTIONS = {
     "train.activation_checkpointing_every": integer(1), "train.memory_check": one_of(*MEMORY_CHECKS),
     "train.seed": integer(0), "train.log_interval": integer(1), "train.eval_interval": integer(1),
     "train.eval_tokens": integer(1), "train.ckpt_interval": integer(1), "train.keep_last": integer(1),
-    "train.ckpt_format": one_of("full", "dcp"), "train.ckpt_async": one_of(True, False),
+    "train.ckpt_format": one_of("full", "dcp"), "train.ckpt_async": one_of(True, False), "train.fp8": boolean(),
     "train.sample_tokens": integer(0), "train.peak_flops": number(above=0),
     "train.wandb.mode": one_of("disabled", "offline", "online"), "train.wandb.project": text(),
     "train.wandb.name": optional(text()),
@@ -445,9 +446,12 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
         check_same_model(ckpt, model_config, resume_file, overrides)
     check_memory_plan(cfg, model_config, dist_info, accum)
     check_trainable(model_config.attention, device)
+    if cfg.train.fp8:
+        check_fp8_device(device)
     raw_model = GPT(model_config).to(device)
     recomputed = raw_model.checkpoint_activations(cfg.train.activation_checkpointing,
                                                   cfg.train.activation_checkpointing_every)
+    fp8_layers = convert_to_fp8(raw_model) if cfg.train.fp8 else []
     fsdp = dist_info.world > 1 and cfg.train.parallel == "fsdp"
     if fsdp:       # in place, before the optimizer sees the parameters
         shard_model(raw_model)
@@ -469,6 +473,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
               f"parameters | {dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
               f"{accum * B * T * dist_info.world} tokens/step | activation checkpointing "
               f"{cfg.train.activation_checkpointing} ({recomputed} of {model_config.n_layer} blocks recomputed) | "
+              + (f"fp8 matmuls in {len(fp8_layers)} linear layers | " if cfg.train.fp8 else "") +
               f"run dir {out_dir} | "
               + (f"resuming at step {step} from {resume_file}" if resume_file else "fresh run")
               + (f" with its {' and '.join(taken)} settings" if taken else ""))

@@ -9,11 +9,13 @@
 #   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
 #   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves, FSDP2 + checkpointing at XL
+#   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
 # `pip download --no-deps -d .whl flash-linear-attention==0.6.0 einops` (the recurrent layers),
-# `pip install --no-deps --target .whl/liger liger-kernel==0.8.5` and `cp ../shared/bench/plain_llama_step.py .whl/`
+# `pip install --no-deps --target .whl/liger liger-kernel==0.8.5`, `pip download --no-deps -d .whl torchao==0.18.0`
+# (stage fp8) and `cp ../shared/bench/plain_llama_step.py .whl/`
 # (stage fused); .gpu_data/text with
 # `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`.
 # Keep each stage under the device's 10-minute limit: compiling takes 1.5-5 minutes per model (the CASTLE M
@@ -28,7 +30,7 @@ case "${1:-tests}" in
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
   tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
-             tests/test_tree.py tests/test_sharded_decode.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
+             tests/test_tree.py tests/test_sharded_decode.py tests/test_fp8.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
            python -m pytest -q -rs tests/test_fused.py 2>&1 | tee "$OUT/pytest_fused.log" | tail -4 ;;
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
   fused)   python -m scripts.bench_train --models baseline_paper_S --fused none loss=chunked norm swiglu=packed all \
@@ -65,7 +67,16 @@ case "${1:-tests}" in
              train.parallel=fsdp train.activation_checkpointing=selective train.max_steps=8 train.log_interval=2 \
              train.global_batch_tokens=null train.eval_interval=1000 train.eval_tokens=32768 train.ckpt_interval=1000 \
              train.sample_tokens=0 train.out_dir=/tmp/xl_fsdp 2>&1 | tee "$OUT/castle_xl_fsdp.log" | grep -a "memory plan\|done" ;;
+  fp8)     for fp8 in false true; do   # GPU 0: bf16, GPU 1: fp8; 500 steps of 65536 tokens (33M)
+             CUDA_VISIBLE_DEVICES=$([ $fp8 = true ] && echo 1 || echo 0) python train.py experiment=baseline_paper_M \
+               data=text data.dir=.gpu_data/text train.max_steps=500 train.global_batch_tokens=65536 \
+               optim.warmup_steps=50 train.eval_interval=100 train.eval_tokens=262144 train.ckpt_interval=1000 \
+               train.sample_tokens=0 train.fp8=$fp8 train.out_dir=/tmp/fp8_$fp8 > "$OUT/fp8_$fp8.log" 2>&1 &
+           done; wait
+           grep -a "^done\|fp8 matmuls" "$OUT"/fp8_*.log; cp /tmp/fp8_false/metrics.jsonl "$OUT/bf16_metrics.jsonl"
+           cp /tmp/fp8_true/metrics.jsonl "$OUT/fp8_metrics.jsonl"
+           python -m scripts.plot_runs /tmp/fp8_false /tmp/fp8_true --out "$OUT/fp8_vs_bf16.png" ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | fp8 | compare"; exit 2 ;;
 esac

@@ -1,0 +1,48 @@
+"""Float8 training (train.fp8=true): the blocks' linear layers multiply in float8 through torchao's Float8Linear.
+
+Each such matmul scales its two inputs to float8 by their absolute maxima (dynamic, one scale per tensor;
+e4m3 for weights and activations, e5m2 for gradients) and runs torch._scaled_mm, which accumulates in fp32;
+everything else (embeddings, norms, attention, the loss) keeps bf16 autocast. Parameters, optimizer state
+and checkpoints stay as they are (Float8Linear keeps nn.Linear's weight), so a run resumes, exports and
+samples the same with or without fp8.
+
+Converted: nn.Linear layers of the blocks whose input and output widths are multiples of 16 (the float8
+matmul's requirement), except the fla layers of the recurrent baselines (their kernels read weights
+themselves). Not converted: the output head (the logits feeding the loss stay bf16, as in torchao's
+recipes) and the embeddings.
+"""
+import torch
+import torch.nn as nn
+
+FP8_MIN_CAPABILITY = (8, 9)   # float8 tensor cores: Ada, Hopper and newer
+
+
+def check_fp8_device(device):
+    """A ValueError naming train.fp8 unless `device` has float8 matmuls."""
+    if device.type != "cuda":
+        raise ValueError(f"train.fp8=true runs float8 matmuls, which need a CUDA GPU of compute capability >= 8.9 "
+                         f"(Ada, Hopper or newer); this run is on {device.type}: set train.fp8=false")
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ValueError(f"train.fp8=true needs float8 matmuls (compute capability >= 8.9: Ada, Hopper or newer); "
+                         f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
+                         "set train.fp8=false")
+
+
+def fp8_layer_names(model):
+    """The names of the nn.Linear layers convert_to_fp8 converts (see the module docstring)."""
+    return [name for name, module in model.named_modules()
+            if type(module) is nn.Linear and name.startswith("blocks.") and ".attn.layer." not in name
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0]
+
+
+def convert_to_fp8(model):
+    """Swap fp8_layer_names(model) for torchao's Float8Linear, in place, before FSDP and torch.compile see the
+    model; -> the names converted."""
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError as e:
+        raise ImportError("train.fp8=true needs torchao (pip install torchao)") from e
+    names = set(fp8_layer_names(model))
+    convert_to_float8_training(model, module_filter_fn=lambda module, name: name in names)
+    return sorted(names)
