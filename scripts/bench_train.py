@@ -7,12 +7,13 @@
     python -m scripts.bench_train --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
     python -m scripts.bench_train --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
     python -m scripts.bench_train --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
+    python -m scripts.bench_train --models compare_XS compare_XS:model=castle,model.castle_causal_keys=false
     python -m scripts.bench_train --models castle_paper_XL --batch-tokens 16384 --activation-checkpointing full
     python -m scripts.bench_train --models baseline_paper_S --fused none all --plain ../shared/bench/plain_llama_step.py
     python -m scripts.bench_train --models baseline_paper_S --fused loss=chunked loss=liger norm swiglu=packed swiglu
 
-Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra
-overrides; the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
+Each model is an experiment config (configs/experiment/*.yaml) or `tiny`, with optional Hydra overrides for
+all (--override) or for one after a colon (`compare_XS:model=castle,model.castle_silu=false`); the micro-batch is `--batch-tokens` tokens, i.e. that many // context sequences of the
 experiment's context (or --seq-len). Random tokens: throughput does not depend on the data. MFU uses
 the model's own FLOP count (`GPT.flops_per_token`: 6N + each attention's FLOPs for the keys a causal
 query really sees).
@@ -59,8 +60,11 @@ def compose_config(overrides):
 
 
 def model_config(name, seq_len, overrides=()):
-    """(GPTConfig, context length) of an experiment config, or of the default tiny model."""
-    cfg = compose_config(([] if name == "tiny" else [f"experiment={name}"]) + list(overrides))
+    """(GPTConfig, context length) of an experiment config, or of the default tiny model; `name` may carry
+    overrides of its own, "EXPERIMENT:KEY=VALUE,KEY=VALUE" (applied before `overrides`)."""
+    name, _, own = name.partition(":")
+    cfg = compose_config(([] if name == "tiny" else [f"experiment={name}"]) + [o for o in own.split(",") if o]
+                         + list(overrides))
     if seq_len:
         cfg.train.seq_len = seq_len
     config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))

@@ -10,6 +10,7 @@
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
 #   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves, FSDP2 + checkpointing at XL
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
+#   bash scripts/gpu_session.sh xs                   # tokens/s of the compare_XS variants (SET=ablations), one at a time
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
@@ -76,7 +77,12 @@ case "${1:-tests}" in
            grep -a "^done\|fp8 matmuls" "$OUT"/fp8_*.log; cp /tmp/fp8_false/metrics.jsonl "$OUT/bf16_metrics.jsonl"
            cp /tmp/fp8_true/metrics.jsonl "$OUT/fp8_metrics.jsonl"
            python -m scripts.plot_runs /tmp/fp8_false /tmp/fp8_true --out "$OUT/fp8_vs_bf16.png" ;;
+  xs)      python -m scripts.bench_train --steps 10 --models compare_XS compare_XS:model=fox_pro \
+             compare_XS:model=fox_pro,model.fgate=bias_only compare_XS:model=fox_pro,model.fgate=fixed,model.fgate_tmin=2,model.fgate_tmax=2048 \
+             compare_XS:model.attention_window=256 compare_XS:model=castle \
+             compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
+             compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | fp8 | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | fp8 | xs | compare"; exit 2 ;;
 esac

@@ -186,6 +186,14 @@ def test_training_benchmark_rounds():
     assert 0 < lo <= float(rows[1][3].replace(",", "")) <= hi
 
 
+def test_training_benchmark_models_take_overrides_of_their_own():
+    from scripts.bench_train import model_config
+    config, T = model_config("compare_XS:model=castle,model.castle_silu=false", None, ["model.n_layer=3"])
+    assert (config.attention, config.castle_silu, config.n_layer, T) == ("castle", False, 3, 2048)
+    plain, _ = model_config("compare_XS", None)
+    assert plain.attention != "castle" and plain.castle_silu and plain.n_layer == 6
+
+
 def test_scaling_benchmark_script_runs(tmp_path):
     """scripts.bench_scaling under gloo: 1 and 2 ranks at one global batch follow the same curve."""
     args = ["--gpus", "1", "2", "--parallel", "ddp", "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--"]
