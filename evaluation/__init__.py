@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 from data.loader import build_loader
 from data.longcrawl64 import DOC_LEN, LongCrawl64Loader
 from data.tokenizer import tokenizer_for
-from model.runtime import shown
+from model.runtime import checked, integer, optional
 
 EVALUATIONS = {}
 CHECKS = {}
@@ -53,7 +53,8 @@ class Context:
             raise ValueError(f"data={self.data_cfg.name} is tokenized with {self.data_cfg.get('tokenizer', 'gpt2')}, "
                              f"but the checkpoint was trained on {trained_on} tokens; evaluate on data tokenized "
                              f"with {trained_on} (or leave data= out: the checkpoint's own data)")
-        self.seq_len = check_int(cfg.eval.seq_len, "eval.seq_len", none=True) or train_cfg["train"]["seq_len"]
+        self.seq_len = (checked(cfg.eval.seq_len, "eval.seq_len", optional(integer(1)))
+                        or train_cfg["train"]["seq_len"])
         self.out_dir = out_dir
 
     @property
@@ -63,42 +64,6 @@ class Context:
 
 
 # ----------------------------------------------------------------------------- option checks
-
-def check_int(value, option, low=1, high=None, none=False):
-    """`value` if it is an integer in [low, high] (or None when `none`), else a ValueError naming `option`."""
-    if value is None and none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        valid = f"an integer in [{low}, {high}]" if high is not None else f"an integer >= {low}"
-        raise ValueError(f"{option}={shown(value)} is invalid: it must be {valid}" + (" or null" if none else ""))
-    return value
-
-
-def check_number(value, option, low=None, high=None, open_low=False, open_high=False, none=False):
-    """`value` as a float if it is a number in the interval, else a ValueError naming `option`."""
-    if value is None and none:
-        return None
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
-    inside = number and not (low is not None and (value <= low if open_low else value < low)) \
-        and not (high is not None and (value >= high if open_high else value > high))
-    if not inside:
-        interval = ("(" if open_low else "[") + f"{'-inf' if low is None else low}, " \
-            f"{'inf' if high is None else high}" + (")" if open_high or high is None else "]")
-        raise ValueError(f"{option}={shown(value)} is invalid: it must be a number in {interval}"
-                         + (" or null" if none else ""))
-    return float(value)
-
-
-def check_list(value, option, choices=None, none=False):
-    """`value` (a list, or one item for a one-item list) as a list; items must be in `choices` when given."""
-    if value is None and none:
-        return None
-    items = list(value) if isinstance(value, (list, tuple)) or OmegaConf.is_list(value) else [value]
-    if not items or (choices is not None and not set(items) <= set(choices)):
-        raise ValueError(f"{option}={shown(value)} is invalid: it must be a non-empty list of {sorted(choices)}"
-                         if choices is not None else f"{option} is empty: give at least one value, e.g. {option}=[...]")
-    return items
-
 
 def check_positions(model, seq_len, option):
     """A model with learned positions reads at most block_size tokens."""

@@ -4,14 +4,15 @@ import math
 
 import torch
 
-from evaluation import ValSplit, check_int, check_positions, evaluation
+from evaluation import ValSplit, check_positions, evaluation
+from model.runtime import checked, integer, optional
 
 
 def settings(model, ctx):
     """(val split, batch size, sequence length, tokens asked for), checked: eval.batch_size, eval.seq_len
     (null: the training context), eval.val_tokens (null: the data config's val_tokens)."""
-    B, T = check_int(ctx.cfg.eval.batch_size, "eval.batch_size"), ctx.seq_len
-    tokens = check_int(ctx.cfg.eval.val_tokens, "eval.val_tokens", none=True) or ctx.data_cfg.val_tokens
+    B, T = checked(ctx.cfg.eval.batch_size, "eval.batch_size", integer(1)), ctx.seq_len
+    tokens = checked(ctx.cfg.eval.val_tokens, "eval.val_tokens", optional(integer(1))) or ctx.data_cfg.val_tokens
     check_positions(model, T, "eval.seq_len")
     split = ValSplit(ctx.data_cfg)
     split.check(T, B, "eval.seq_len", "eval.batch_size")

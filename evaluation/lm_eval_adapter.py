@@ -29,8 +29,8 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, make_table
 from tqdm import tqdm
 
-from evaluation import check_int, check_list, check_positions, evaluation
-from model.runtime import shown
+from evaluation import check_positions, evaluation
+from model.runtime import boolean, checked, integer, listed, one_of, optional, shown, text
 
 REPO = Path(__file__).resolve().parents[1]
 TASKS_DIR = Path(__file__).resolve().parent / "tasks"
@@ -367,20 +367,16 @@ def settings(model, ctx):
                          "or lm_eval.tasks=[...]")
     if c.preset and c.preset not in PRESETS:
         raise ValueError(f"lm_eval.preset={c.preset!r} is unknown; choose one of {sorted(PRESETS)}")
-    tasks = check_list(c.tasks, "lm_eval.tasks") if c.tasks else []
-    if not all(isinstance(t, str) for t in tasks):
-        raise ValueError(f"lm_eval.tasks={shown(c.tasks)} is invalid: it must list task names, e.g. [hellaswag]")
+    tasks = checked(c.tasks, "lm_eval.tasks", listed(text())) if c.tasks else []
     check_limit(c.limit)
-    check_int(c.num_fewshot, "lm_eval.num_fewshot", low=0, none=True)
-    check_int(c.batch_tokens, "lm_eval.batch_tokens")
-    check_int(c.bootstrap_iters, "lm_eval.bootstrap_iters", low=0)
-    max_length = check_int(c.max_length, "lm_eval.max_length", low=2, none=True) or model.config.block_size
+    checked(c.num_fewshot, "lm_eval.num_fewshot", optional(integer(0)))
+    checked(c.batch_tokens, "lm_eval.batch_tokens", integer(1))
+    checked(c.bootstrap_iters, "lm_eval.bootstrap_iters", integer(0))
+    max_length = checked(c.max_length, "lm_eval.max_length", optional(integer(2))) or model.config.block_size
     check_positions(model, max_length, "lm_eval.max_length")
-    check_int(c.max_gen_toks, "lm_eval.max_gen_toks")      # checked against max_length by generating tasks only
-    for option, allowed in (("add_bos", (True, False)), ("offline", (True, False, "auto"))):
-        if c[option] not in allowed:
-            raise ValueError(f"lm_eval.{option}={shown(c[option])} is invalid: it must be one of "
-                             f"{', '.join(map(shown, allowed))}")
+    checked(c.max_gen_toks, "lm_eval.max_gen_toks", integer(1))   # against max_length: by generating tasks only
+    checked(c.add_bos, "lm_eval.add_bos", boolean())
+    checked(c.offline, "lm_eval.offline", one_of(True, False, "auto"))
     include_path = str(Path(c.include_path).expanduser().resolve()) if c.include_path else None
     if include_path and not os.path.isdir(include_path):
         raise FileNotFoundError(f"lm_eval.include_path={c.include_path} is not a directory; point it at a folder "

@@ -22,8 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from evaluation import ValSplit, check_int, check_positions, evaluation
+from evaluation import ValSplit, check_positions, evaluation
 from model.checkpoint import atomic_write
+from model.runtime import checked, integer, optional
 
 
 @torch.no_grad()
@@ -107,8 +108,8 @@ def settings(model, ctx):
     default stops at the block_size of a model with learned positions, an explicit value must fit it)."""
     c = ctx.cfg.long_context
     for option in ("num_seqs", "batch_size", "smooth", "min_len"):
-        check_int(c[option], f"long_context.{option}")
-    T = check_int(c.seq_len, "long_context.seq_len", none=True)
+        checked(c[option], f"long_context.{option}", integer(1))
+    T = checked(c.seq_len, "long_context.seq_len", optional(integer(1)))
     if T is None:
         T = ctx.data_cfg.get("val_seq_len") or 4 * ctx.train_cfg["train"]["seq_len"]
         if model.config.pos == "learned" and T > model.config.block_size:

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 
 from data.sample.tei_to_text import tei_to_text
-from evaluation import check_int, check_list, check_number, evaluation
+from evaluation import evaluation
 from evaluation.lm_eval_adapter import REPO
 from model.checkpoint import atomic_write
-from model.runtime import shown
+from model.runtime import checked, integer, listed, number, one_of, optional, shown
 
 QUESTION = "What is the best thing to do in San Francisco?"
 NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
@@ -104,12 +104,12 @@ def plot_heatmap(grid, lengths, depths, train_len, title, png):
 def settings(model, ctx):
     """(modes, lengths, depths, books_dir) from the niah options, every one checked."""
     c = ctx.cfg.niah
-    modes = check_list(c.modes, "niah.modes", choices=NEEDLES)
+    modes = checked(c.modes, "niah.modes", listed(one_of(*NEEDLES)))
     for option in ("max_new_tokens", "batch_size"):
-        check_int(c[option], f"niah.{option}")
-    check_int(c.question_reserve, "niah.question_reserve", low=0)
-    depths = [check_number(d, "niah.depths", 0, 100) for d in check_list(c.depths, "niah.depths", none=True)
-              or np.linspace(0, 100, 11).round()]
+        checked(c[option], f"niah.{option}", integer(1))
+    checked(c.question_reserve, "niah.question_reserve", integer(0))
+    depths = (checked(c.depths, "niah.depths", optional(listed(number(0, 100))))
+              or np.linspace(0, 100, 11).round().tolist())
     needle = max(len(ctx.tokenizer.encode_ordinary(NEEDLES[mode])) for mode in modes)
     lengths = prompt_lengths(model, c, needle, ctx.train_cfg["train"]["seq_len"])
     books_dir = Path(c.books_dir or os.environ.get("BOOKS_DIR") or DEFAULT_BOOKS).expanduser()
@@ -124,7 +124,7 @@ def prompt_lengths(model, c, needle, train_len):
     leave a haystack after niah.question_reserve and the `needle` tokens; with learned positions it
     must also leave niah.max_new_tokens before block_size: the default grid drops the lengths that
     do not, explicit lengths must all fit."""
-    lengths = [check_int(l, "niah.lengths") for l in check_list(c.lengths, "niah.lengths", none=True) or []]
+    lengths = checked(c.lengths, "niah.lengths", optional(listed(integer(1)))) or []
     shortest = c.question_reserve + needle + 1
     if lengths and min(lengths) < shortest:
         raise ValueError(f"niah.lengths={shown(c.lengths)} holds {min(lengths)}, which leaves no haystack after "

@@ -44,8 +44,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from evaluation import ValSplit, check_int, check_list, check_number, evaluation
-from model.runtime import shown
+from evaluation import ValSplit, evaluation
+from model.runtime import boolean, checked, integer, listed, number, one_of, optional, shown
 from model.tint import (
     SimConfig,
     TinT,
@@ -79,24 +79,21 @@ def options(ctx):
     if unknown:
         raise ValueError(f"unknown tint options {sorted(unknown)}; valid: {sorted(DEFAULTS)}")
     o = {**DEFAULTS, **user}
-    o["methods"] = check_list(o["methods"], "tint.methods", choices=METHODS)
-    o["train_fracs"] = [check_number(f, "tint.train_fracs", 0, 1, open_low=True, open_high=True)
-                        for f in o["train_fracs"] or []]
-    if o["dtype"] not in ("fp32", "fp64"):
-        raise ValueError(f"tint.dtype={shown(o['dtype'])} is invalid: it must be fp32 or fp64")
-    check_number(o["lr"], "tint.lr", low=0)
-    check_number(o["task_lr"], "tint.task_lr", low=0, none=True)
-    check_number(o["fd_eps"], "tint.fd_eps", low=0, open_low=True)
-    check_int(o["seq_len"], "tint.seq_len", low=2, none=True)
+    o["methods"] = checked(o["methods"], "tint.methods", listed(one_of(*METHODS)))
+    o["train_fracs"] = checked(o["train_fracs"], "tint.train_fracs",
+                               optional(listed(number(above=0, below=1), empty=True))) or []
+    checked(o["dtype"], "tint.dtype", one_of("fp32", "fp64"))
+    checked(o["lr"], "tint.lr", number(0))
+    checked(o["task_lr"], "tint.task_lr", optional(number(0)))
+    checked(o["fd_eps"], "tint.fd_eps", number(above=0))
+    checked(o["seq_len"], "tint.seq_len", optional(integer(2)))
     for name in ("n_steps", "batch_size", "batches", "task_examples"):
-        check_int(o[name], f"tint.{name}")
+        checked(o[name], f"tint.{name}", integer(1))
     for name in ("sim_batches", "sim_examples", "task_shots"):
-        check_int(o[name], f"tint.{name}", low=0)
-    check_int(o["n_layers"], "tint.n_layers", none=True)
-    check_int(o["sim_K"], "tint.sim_K", none=True)
-    if not isinstance(o["check_param_formula"], bool):
-        raise ValueError(f"tint.check_param_formula={shown(o['check_param_formula'])} is invalid: it must be true "
-                         "or false")
+        checked(o[name], f"tint.{name}", integer(0))
+    checked(o["n_layers"], "tint.n_layers", optional(integer(1)))
+    checked(o["sim_K"], "tint.sim_K", optional(integer(1)))
+    checked(o["check_param_formula"], "tint.check_param_formula", boolean())
     if o["task"] is not None and o["task"] not in TASK_FILES:
         raise ValueError(f"tint.task={shown(o['task'])} is unknown; choose one of {sorted(TASK_FILES)} "
                          "or null (no task)")

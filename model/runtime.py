@@ -122,6 +122,7 @@ class Dist:
 class Rule(NamedTuple):
     ok: Callable[[object], bool]
     expected: str
+    convert: Callable[[object], object] = lambda v: v     # what `checked` returns for a value that is ok
 
 
 def _is_int(v):
@@ -137,13 +138,14 @@ def integer(low=None):
                 "an integer" + (f" >= {low}" if low is not None else ""))
 
 
-def number(low=None, high=None, *, above=None):
-    """A float or int in [low, high]; `above`: strictly greater than it."""
+def number(low=None, high=None, *, above=None, below=None):
+    """A float or int in [low, high]; `above` / `below`: strictly greater / less than it. `checked`
+    returns it as a float."""
     def ok(v):
         return (_is_number(v) and (low is None or v >= low) and (high is None or v <= high)
-                and (above is None or v > above))
-    bounds = [f"{op} {x}" for op, x in ((">", above), (">=", low), ("<=", high)) if x is not None]
-    return Rule(ok, "a number" + (" " + " and ".join(bounds) if bounds else ""))
+                and (above is None or v > above) and (below is None or v < below))
+    bounds = [f"{op} {x}" for op, x in ((">", above), (">=", low), ("<", below), ("<=", high)) if x is not None]
+    return Rule(ok, "a number" + (" " + " and ".join(bounds) if bounds else ""), float)
 
 
 def one_of(*choices):
@@ -162,12 +164,26 @@ def boolean():
 
 
 def optional(rule):
-    return Rule(lambda v: v is None or rule.ok(v), rule.expected + ", or null")
+    return Rule(lambda v: v is None or rule.ok(v), rule.expected + ", or null",
+                lambda v: None if v is None else rule.convert(v))
 
 
 def pair(rule):
     return Rule(lambda v: isinstance(v, (list, tuple)) and len(v) == 2 and all(rule.ok(x) for x in v),
                 f"two values [a, b], each {rule.expected}")
+
+
+def _items(v):
+    """A list as a list; any other value as a list of that one item."""
+    return list(v) if isinstance(v, (list, tuple)) or OmegaConf.is_list(v) else [v]
+
+
+def listed(rule, empty=False):
+    """A list whose items each keep `rule` (one item alone stands for a one-item list); non-empty
+    unless `empty`. `checked` returns it as a list of the converted items."""
+    return Rule(lambda v: (len(_items(v)) > 0 or empty) and all(rule.ok(x) for x in _items(v)),
+                f"a{'' if empty else ' non-empty'} list, each {rule.expected}",
+                lambda v: [rule.convert(x) for x in _items(v)])
 
 
 def _is_device_name(v):
@@ -200,6 +216,12 @@ def check_options(values, rules):
         value = values[key]
         if not rule.ok(value):
             raise ValueError(f"{key}={shown(value)} is invalid: it must be {rule.expected}")
+
+
+def checked(value, option, rule):
+    """`value` (as `rule` converts it) if it keeps `rule`, else the ValueError check_options raises."""
+    check_options({option: value}, {option: rule})
+    return rule.convert(value)
 
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}

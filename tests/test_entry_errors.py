@@ -2,6 +2,7 @@
 work, the message names the option (or file) and the fix, and the entry points print it as one line
 and exit 2 without a traceback (bugs keep theirs)."""
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,7 +19,19 @@ import sample
 import train
 from model.checkpoint import CHECKPOINT_FORMAT, config_dict
 from model.gpt import GPTConfig
-from model.runtime import CONFIG_DIR, choose_device, entry_point, groups_with_option, quote_literal
+from model.runtime import (
+    CONFIG_DIR,
+    checked,
+    choose_device,
+    entry_point,
+    groups_with_option,
+    integer,
+    listed,
+    number,
+    one_of,
+    optional,
+    quote_literal,
+)
 
 ROOT = os.path.dirname(CONFIG_DIR)
 
@@ -37,6 +50,52 @@ def error_of(check, cfg):
     with pytest.raises((ValueError, FileNotFoundError)) as info:
         check(cfg)
     return str(info.value)
+
+
+# ----------------------------------------------------------------------------- the option rules
+
+def refusal(value, rule):
+    with pytest.raises(ValueError) as info:
+        checked(value, "x.opt", rule)
+    return str(info.value)
+
+
+def test_checked_returns_what_keeps_the_rule_and_names_the_option_otherwise():
+    low = random.randint(-5, 5)
+    inside = random.randint(low, low + 10)
+    assert checked(inside, "x.opt", integer(low)) == inside
+    assert refusal(low - 1, integer(low)) == f"x.opt={low - 1} is invalid: it must be an integer >= {low}"
+    assert refusal(True, integer(0)) == "x.opt=true is invalid: it must be an integer >= 0"   # bool is no int
+    assert refusal(2.0, integer(0)).endswith("an integer >= 0")
+    assert checked(None, "x.opt", optional(integer(1))) is None
+    assert refusal(None, integer(1)) == "x.opt=null is invalid: it must be an integer >= 1"
+    assert refusal(0, optional(integer(1))).endswith("an integer >= 1, or null")
+
+
+def test_number_bounds_open_and_closed():
+    frac = random.uniform(0.01, 0.99)
+    assert checked(frac, "x.opt", number(above=0, below=1)) == frac
+    for edge in (0, 1, 1.0):
+        assert refusal(edge, number(above=0, below=1)).endswith("it must be a number > 0 and < 1")
+    assert checked(1, "x.opt", number(0, 1)) == 1.0 and type(checked(1, "x.opt", number(0, 1))) is float
+    assert refusal(False, number(0, 1)).endswith("a number >= 0 and <= 1")
+    assert checked(None, "x.opt", optional(number(0))) is None
+
+
+def test_listed_takes_a_list_or_one_item_and_checks_every_item():
+    modes = listed(one_of("standard", "easy"))
+    assert checked(["easy", "standard"], "x.opt", modes) == ["easy", "standard"]
+    assert checked(OmegaConf.create(["easy"]), "x.opt", modes) == ["easy"]
+    assert checked("easy", "x.opt", modes) == ["easy"]                    # one item: a one-item list
+    assert refusal(["easy", "hard"], modes) == ("x.opt=[easy,hard] is invalid: it must be a non-empty list, "
+                                                "each one of standard, easy")
+    assert refusal([], modes).startswith("x.opt=[] is invalid: it must be a non-empty list")
+    assert checked([], "x.opt", listed(number(), empty=True)) == []
+    assert checked([0, 50], "x.opt", listed(number(0, 100))) == [0.0, 50.0]
+    assert refusal([1, True], listed(integer(1))).endswith("a non-empty list, each an integer >= 1")
+    depths = optional(listed(number(0, 100)))
+    assert checked(None, "x.opt", depths) is None
+    assert refusal([50, 150], depths).endswith("each a number >= 0 and <= 100, or null")
 
 
 # ----------------------------------------------------------------------------- train.py
