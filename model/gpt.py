@@ -821,7 +821,8 @@ class InferenceCache:
     token): the next position lives on the device, in `position`, which every layer cache shares and the step
     advances itself, and each layer attends over its whole preallocated buffer with the rows past the position
     masked. Shapes, buffers and Python state then never change from step to step, so one captured step
-    serves every position. `pos` and the layers' `length` keep counting only the dynamic steps before.
+    serves every position. `pos` and the layers' `length` keep counting only the dynamic steps before, and
+    the caller keeps the steps below max_len (a step cannot check a position it does not read on the host).
     """
 
     def __init__(self, layers, max_len):
@@ -1042,17 +1043,17 @@ class GPT(nn.Module):
         """Raise a ValueError naming what keeps cuda_graph=True from decoding this model this way."""
         if self.config.attention not in GRAPH_DECODE_ATTENTIONS:
             raise ValueError(f"cuda_graph=True decodes model.attention in {GRAPH_DECODE_ATTENTIONS} (with or without "
-                             f"attention_window), not {self.config.attention!r}: pass cuda_graph=false")
-        if not (idx.is_cuda and self.lm_head.weight.is_cuda):
-            raise ValueError(f"cuda_graph=True needs the model and prompt on a CUDA device, not {idx.device.type}: "
-                             "pass cuda_graph=false")
+                             f"attention_window), not {self.config.attention!r}: decode it without cuda_graph")
         if not use_cache:
             raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
         if group is not None:
             raise ValueError("cuda_graph=True decodes on one device: it does not take a process group "
-                             "(sharded decoding); pass cuda_graph=false")
+                             "(sharded decoding); decode without cuda_graph")
         if self.training:
             raise ValueError("cuda_graph=True decodes in eval mode: call model.eval() first")
+        if not (idx.is_cuda and self.lm_head.weight.is_cuda):
+            raise ValueError(f"cuda_graph=True needs the model and prompt on a CUDA device, not {idx.device.type}: "
+                             "decode without cuda_graph")
 
 
 class GraphedDecodeStep:
