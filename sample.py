@@ -9,6 +9,9 @@ Sharded decoding (tree attention, kernels/tree.py): every layer's cache is split
 sequence axis over the N processes, which all run the same tokens; only rank 0 prints.
 
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
+
+cuda_graph=true (one GPU; softmax-attention models): after the prompt, every token is one replay of a
+CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches.
 """
 import os
 import sys
@@ -28,7 +31,7 @@ OPTIONS = {"ckpt": text(), "prompt": text(nonempty=False), "bos": boolean(), "ma
            "num_samples": integer(1), "temperature": number(0), "seed": integer(0),
            "top_k": Rule(TOP_K.ok, TOP_K.expected + " (null or 0: no top-k filtering)"),
            "top_p": optional(number(above=0, high=1)), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"),
-           "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1)}
+           "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1), "cuda_graph": boolean()}
 
 
 def check_sample_options(cfg):
@@ -36,6 +39,11 @@ def check_sample_options(cfg):
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("ckpt is missing: pass ckpt=RUN_DIR (its newest readable checkpoint) or ckpt=FILE.pt")
     check_options(OmegaConf.to_container(cfg), OPTIONS)
+    if cfg.cuda_graph and cfg.sharded:
+        raise ValueError("cuda_graph=true decodes on one GPU: it does not combine with sharded=true; "
+                         "pass one of them")
+    if cfg.cuda_graph and cfg.device == "cpu":
+        raise ValueError("cuda_graph=true needs a CUDA device, not device=cpu: pass cuda_graph=false")
 
 
 def init_sharding(cfg):
@@ -65,7 +73,7 @@ def main(cfg):
         stream_text(model, tok, prompt_ids, device, max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_at_eot=cfg.stop_at_eot,
                     group=group, prefill_chunk=cfg.prefill_chunk if group is not None else None,
-                    show=ranks.master)
+                    cuda_graph=cfg.cuda_graph, show=ranks.master)
     ranks.close()
 
 

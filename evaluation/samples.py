@@ -10,7 +10,7 @@ UNSETTLED_CHARS = 6
 
 
 def stream_text(model, tok, prompt_ids, device, *, max_new_tokens, temperature=0.8, top_k=None, top_p=None,
-                stop_at_eot=True, group=None, prefill_chunk=None, show=True):
+                stop_at_eot=True, group=None, prefill_chunk=None, cuda_graph=False, show=True):
     """Generate after `prompt_ids`, printing the text as it settles (when `show`); return the text.
 
     group / prefill_chunk: split the cache over this process group and prefill the prompt in chunks
@@ -19,7 +19,7 @@ def stream_text(model, tok, prompt_ids, device, *, max_new_tokens, temperature=0
     new_ids, printed = [], 0
     eot = tok.eot_token if stop_at_eot else None
     for token in model.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eot,
-                                       group=group, prefill_chunk=prefill_chunk):
+                                       group=group, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph):
         if eot is not None and token.item() == eot:
             break
         new_ids.append(token.item())

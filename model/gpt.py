@@ -343,11 +343,15 @@ class KVCache(RoundRobinRows):
     sequence axis, round robin (kernels/tree.py's RoundRobinRows: global position j is stored by
     rank j % p in its local row j // p); every rank allocates ceil(max_len / p) rows. `length`
     counts the positions of all ranks (the same on every rank). Without a group row j is position j.
+
+    A static step (`position` set: InferenceCache.to_static) writes its one position at that device
+    index and reads every row; its attention masks the rows past the position.
     """
 
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
         super().__init__(group, device)
         self.max_len = max_len
+        self.position = None
         rows = self.max_rows(max_len)
         self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -359,6 +363,11 @@ class KVCache(RoundRobinRows):
 
     def store(self, **new):
         """Append T positions: each named buffer gets this rank's share of its (B, H, T, ...) tensor."""
+        if self.position is not None:     # static step: one position, unsharded, at the device index
+            for name, x in new.items():
+                buf = getattr(self, name)
+                buf.index_copy_(2, self.position, x.to(buf.dtype))
+            return
         T = next(iter(new.values())).size(2)
         if self.length + T > self.max_len:
             raise RuntimeError(f"KV cache overflow: {self.length + T} positions > capacity {self.max_len}")
@@ -370,6 +379,8 @@ class KVCache(RoundRobinRows):
     def append(self, k, v):
         """Store T new positions; return the keys and values held here (all of them, unsharded)."""
         self.store(k=k, v=v)
+        if self.position is not None:     # static step: every row; attention masks the unwritten ones
+            return self.k, self.v
         n = self.n_local
         return self.k[:, :, :n], self.v[:, :, :n]
 
@@ -432,7 +443,10 @@ class SoftmaxCache(KVCache):
         """Store c for the newest T positions (call after append); return c of the rows held here."""
         T = log_fgate.size(-1)
         c = fgate_cumsum(log_fgate, self.c_last)
-        self.c_last = c[..., -1:].clone()
+        self.c_last.copy_(c[..., -1:])    # in place, as every buffer a static step writes
+        if self.position is not None:
+            self.log_fgate_cumsum.index_copy_(2, self.position, c)
+            return self.log_fgate_cumsum
         chunk, rows = self.local_rows(self.length - T, T)
         self.log_fgate_cumsum[:, :, rows] = c[:, :, chunk]
         return self.log_fgate_cumsum[:, :, :self.n_local]
@@ -449,6 +463,7 @@ class WindowCache(RoundRobinRows):
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, window, gated, group=None):
         super().__init__(group, device)
         self.window = window
+        self.position = None              # static steps: as KVCache's
         rows = min(self.max_rows(window), self.max_rows(max_len))
         self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -468,7 +483,7 @@ class WindowCache(RoundRobinRows):
         if log_fgate is None:
             return None
         c = fgate_cumsum(log_fgate, self.c_last)
-        self.c_last = c[..., -1:].clone()
+        self.c_last.copy_(c[..., -1:])
         return c
 
     def _owned(self, T):
@@ -478,6 +493,13 @@ class WindowCache(RoundRobinRows):
 
     def store(self, k, v, c):
         """Append T positions: this rank's share, of which the ring keeps the newest `capacity`."""
+        if self.position is not None:     # static step: one position, unsharded, at its ring row
+            row = self.position % self.capacity
+            for buf, x in ((self.k, k), (self.v, v), (self.c, c)):
+                if x is not None:
+                    buf.index_copy_(2, row, x.to(buf.dtype))
+            self.pos.index_copy_(0, row, self.position)
+            return
         chunk, pos = self._owned(k.size(2))
         keep = slice(max(0, pos.numel() - self.capacity), None)
         rows = (pos[keep] // self.world) % self.capacity
@@ -492,7 +514,8 @@ class WindowCache(RoundRobinRows):
         """The T new queries (k, v, c: theirs) over the cached rows and the new positions held here, merged
         with the other ranks' by tree attention (kernels/tree.py); the new positions are then stored."""
         T = q.size(2)
-        q_pos = torch.arange(self.length, self.length + T, device=self.device)
+        q_pos = self.position if self.position is not None else torch.arange(self.length, self.length + T,
+                                                                               device=self.device)
         if T == 1:
             # the new position overwrites one at least W older, which its query no longer sees
             self.store(k, v, c)
@@ -504,7 +527,7 @@ class WindowCache(RoundRobinRows):
             k_pos = torch.cat([self.pos, new_pos])
             self.store(k, v, c)
         bias = mask_bias(q_pos, k_pos, window=self.window)
-        if c_keys is not None:   # -c_j relative to the newest c, as in attend_sharded
+        if c_keys is not None:   # -c_j relative to the newest c, as in attend_rows
             bias = bias + fox_bias(c_keys - self.c_last)
         return tree_decode(q, keys, values, group=self.group, bias_local=bias)
 
@@ -605,10 +628,11 @@ class SoftmaxAttention(nn.Module):
         alpha_k, alpha_v = alpha.transpose(1, 2).unsqueeze(-1).chunk(2, dim=1)
         prev_k = cache.last_raw_k if cache is not None else torch.zeros_like(k[:, :, :1])
         prev_v = cache.last_raw_v if cache is not None else torch.zeros_like(v[:, :, :1])
-        if cache is not None:
-            # clone: a view would keep the whole prompt's projection alive
-            cache.last_raw_k, cache.last_raw_v = k[:, :, -1:].clone(), v[:, :, -1:].clone()
-        return token_shift(k, alpha_k, prev_k), token_shift(v, alpha_v, prev_v)
+        shifted = token_shift(k, alpha_k, prev_k), token_shift(v, alpha_v, prev_v)
+        if cache is not None:   # in place (a static step keeps its buffers), after prev was read
+            cache.last_raw_k.copy_(k[:, :, -1:])
+            cache.last_raw_v.copy_(v[:, :, -1:])
+        return shifted
 
     def attend(self, q, k, v, log_fgate, cache):
         if self.window is not None:
@@ -618,8 +642,8 @@ class SoftmaxAttention(nn.Module):
         if cache is not None:
             k, v = cache.append(k, v)
             c = cache.append_gates(log_fgate) if log_fgate is not None else None
-            if cache.group is not None:
-                return attend_sharded(q, k, v, c, cache)
+            if cache.group is not None or cache.position is not None:
+                return attend_rows(q, k, v, c, cache)
         fresh = k.size(2) == T               # no earlier positions: the parallel training kernels apply
         if log_fgate is not None:
             if cache is not None and not fresh:
@@ -638,7 +662,7 @@ class SoftmaxAttention(nn.Module):
         """Sliding-window attention: a whole sequence (or a prompt into an empty unsharded cache, which
         then keeps its last positions) through the forgetting-attention kernels, gated or not, which
         visit only the key tiles of the window; anything else through the window cache."""
-        if cache is not None and (cache.length or cache.group is not None):
+        if cache is not None and (cache.length or cache.group is not None or cache.position is not None):
             return cache.attend(q, k, v, cache.gates(log_fgate))
         y = forgetting_attn(q, k, v, log_fgate, window=self.window)
         if cache is not None:
@@ -663,14 +687,18 @@ def keys_per_query(seq_len, window=None):
     return (W * (W + 1) / 2 + (T - W) * W) / T
 
 
-def attend_sharded(q, k, v, c, cache):
-    """The T new queries over a sharded cache: this rank's rows k, v (FoX: their c) merged exactly
-    with every other rank's by tree attention. Positions are global; a single new token sees every
-    cached position, a prefill chunk is causal inside itself (mask_bias). FoX's bias is -c_j taken
-    relative to the stream's newest c, a shift common to all keys that keeps recent keys exact."""
+def attend_rows(q, k, v, c, cache):
+    """The T new queries over the rows k, v (FoX: their c) of a cache, masks and FoX's gates as one
+    additive bias, by tree attention's split-KV step (kernels/tree.py). A sharded cache: this rank's
+    rows, merged exactly with every other rank's. A static step: every row of the buffer, those past
+    its position masked, so its shapes never change. Positions are global; a single new token sees
+    every cached position, a prefill chunk is causal inside itself (mask_bias). FoX's bias is -c_j
+    taken relative to the stream's newest c, a shift common to all keys that keeps recent keys exact."""
     T = q.size(2)
     bias = None
-    if T > 1:
+    if cache.position is not None:
+        bias = mask_bias(cache.position, torch.arange(cache.capacity, device=q.device))
+    elif T > 1:
         q_pos = torch.arange(cache.length - T, cache.length, device=q.device)
         bias = mask_bias(q_pos, cache.key_positions())
     if c is not None:
@@ -682,6 +710,7 @@ def attend_sharded(q, k, v, c, cache):
 register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))
 register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
 WINDOWED_ATTENTIONS = ("baseline", "fox")   # those that take model.attention_window
+GRAPH_DECODE_ATTENTIONS = ("baseline", "fox")   # those whose caches take static steps (CUDA-graph decoding)
 
 
 class CastleAttention(nn.Module):
@@ -786,11 +815,35 @@ ACTIVATION_CHECKPOINTING = ("none", "selective", "full")   # by the memory they 
 
 
 class InferenceCache:
-    """Per-layer attention caches plus the number of positions already processed."""
+    """Per-layer attention caches for max_len positions plus the number of positions already processed.
 
-    def __init__(self, layers):
-        self.layers = layers
+    `to_static` makes every later step a static one, the step a CUDA graph replays (GPT.forward with one
+    token): the next position lives on the device, in `position`, which every layer cache shares and the step
+    advances itself, and each layer attends over its whole preallocated buffer with the rows past the position
+    masked. Shapes, buffers and Python state then never change from step to step, so one captured step
+    serves every position. `pos` and the layers' `length` keep counting only the dynamic steps before, and
+    the caller keeps the steps below max_len (a step cannot check a position it does not read on the host).
+    """
+
+    def __init__(self, layers, max_len):
+        self.layers, self.max_len = layers, max_len
         self.pos = 0
+        self.position = None
+
+    def to_static(self):
+        """Continue with static steps from position `pos` (unsharded softmax caches: GRAPH_DECODE_ATTENTIONS)."""
+        if not all(isinstance(layer, (KVCache, WindowCache)) and layer.group is None for layer in self.layers):
+            raise ValueError("static (CUDA-graph) decoding takes unsharded softmax caches only "
+                             f"(model.attention in {GRAPH_DECODE_ATTENTIONS})")
+        self.position = torch.tensor([self.pos], device=self.layers[0].device)
+        for layer in self.layers:
+            layer.position = self.position
+
+    def advance(self, T):
+        if self.position is not None:
+            self.position.add_(T)
+        else:
+            self.pos += T
 
 
 class GPT(nn.Module):
@@ -838,8 +891,10 @@ class GPT(nn.Module):
             block.recompute = mode == "full" or (mode == "selective" and i % every == 0)
         return sum(block.recompute for block in self.blocks)
 
-    def _rope(self, start, T, device):
-        """RoPE tables for positions [start, start + T), grown on demand (decoding may pass block_size)."""
+    def _rope(self, start, T, device, position=None):
+        """RoPE tables for positions [start, start + T), grown on demand (decoding may pass block_size).
+        A static step passes its (1,) position tensor and the whole cache's range: the row is picked on
+        the device from tables that are never regrown between steps (a graph keeps their addresses)."""
         if self.config.pos != "rope":
             return None
         end = start + T
@@ -848,30 +903,38 @@ class GPT(nn.Module):
             self._rope_len = max(end, self.config.block_size)
             self._rope_cos, self._rope_sin = rope_tables(
                 self.config.head_dim, self._rope_len, self.config.rope_theta, device, dtype)
-        return self._rope_cos[start:end], self._rope_sin[start:end]
+        cos, sin = self._rope_cos[start:end], self._rope_sin[start:end]
+        if position is not None:
+            return cos.index_select(0, position), sin.index_select(0, position)
+        return cos, sin
 
     def forward(self, idx, targets=None, cache=None, last_only=False):
         """idx (B, T) -> (logits, loss). logits: (B, T, vocab), or (B, 1, vocab) with last_only.
 
-        With `cache` (from `new_cache`), the T tokens continue the cached sequence. With targets and
+        With `cache` (from `new_cache`), the T tokens continue the cached sequence; a static cache
+        (InferenceCache.to_static) takes one token at its device-held position. With targets and
         config.fused_loss, the loss comes from the hidden states and lm_head's weight without the logits,
         and logits is None. Targets of -1 are ignored; every vocab_size row takes part in the softmax.
         """
         B, T = idx.shape
         start = cache.pos if cache is not None else 0
-        if self.wpe is not None and start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens exceeds block_size={self.config.block_size} "
+        static = cache is not None and cache.position is not None
+        if static and T != 1:
+            raise ValueError(f"a static cache (InferenceCache.to_static) takes one token per step, not {T}")
+        end = cache.max_len if static else start + T     # a static step can be at any position below max_len
+        if self.wpe is not None and end > self.config.block_size:
+            raise ValueError(f"sequence of {end} tokens exceeds block_size={self.config.block_size} "
                              "of a model with learned positions")
         x = self.wte(idx)
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(start, start + T, device=idx.device))
+            x = x + self.wpe(cache.position if static else torch.arange(start, start + T, device=idx.device))
         x = self.drop(x)
-        rope = self._rope(start, T, idx.device)
+        rope = self._rope(0, end, idx.device, cache.position) if static else self._rope(start, T, idx.device)
         y = None
         for i, block in enumerate(self.blocks):
             x, y = block(x, rope, cache.layers[i] if cache is not None else None, pending=y, defer_add=True)
         if cache is not None:
-            cache.pos += T
+            cache.advance(T)
         _, x = add_and_norm(x, y, self.norm_f)
         if last_only:
             x = x[:, -1:]
@@ -896,7 +959,7 @@ class GPT(nn.Module):
         if group is not None and dist.get_world_size(group) < 2:
             group = None
         return InferenceCache([b.attn.new_cache(batch_size, max_len, device, dtype, group)
-                               for b in self.blocks])
+                               for b in self.blocks], max_len)
 
     def flops_per_token(self, seq_len):
         """Training FLOPs per token: 6N over the weights that multiply (an untied input embedding
@@ -922,7 +985,7 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate_stream(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                        eot_token=None, use_cache=True, group=None, prefill_chunk=None):
+                        eot_token=None, use_cache=True, group=None, prefill_chunk=None, cuda_graph=False):
         """Yield (B,) new tokens one step at a time. temperature 0 is greedy. Tokens are drawn only
         from the tokenizer's ids (`config.tokenizer_vocab_size`), never from the padding rows.
 
@@ -930,8 +993,12 @@ class GPT(nn.Module):
         group: split the cache over this process group (`new_cache`); call on every rank with the
         same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
+        cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
+        (GraphedDecodeStep); CUDA, one device, with the cache, GRAPH_DECODE_ATTENTIONS only.
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
+        if cuda_graph:
+            self.check_cuda_graph(idx, use_cache, group)
         B, T0 = idx.shape
         if self.wpe is not None and T0 + max_new_tokens > self.config.block_size and use_cache:
             raise ValueError(f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
@@ -940,12 +1007,18 @@ class GPT(nn.Module):
         cache = self.new_cache(B, T0 + max_new_tokens, group=group) if use_cache else None
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
         seq, step_input = idx, idx
+        graphed = None
         for _ in range(max_new_tokens):
-            if cache is None:
-                step_input = seq[:, -self.config.block_size:]
-            chunk = prefill_chunk if cache is not None and prefill_chunk else step_input.size(1)
-            for piece in step_input.split(chunk, dim=1):
-                logits, _ = self(piece, cache=cache, last_only=True)
+            if graphed is not None:
+                logits = graphed(step_input)
+            else:
+                if cache is None:
+                    step_input = seq[:, -self.config.block_size:]
+                chunk = prefill_chunk if cache is not None and prefill_chunk else step_input.size(1)
+                for piece in step_input.split(chunk, dim=1):
+                    logits, _ = self(piece, cache=cache, last_only=True)
+                if cuda_graph:
+                    graphed = GraphedDecodeStep(self, cache, B)
             token = sample_token(logits[:, -1, :n_tokens].float(), temperature, top_k, top_p)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
@@ -960,11 +1033,65 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eot_token=None,
-                 use_cache=True, group=None, prefill_chunk=None):
+                 use_cache=True, group=None, prefill_chunk=None, cuda_graph=False):
         """idx (B, T) -> (B, T + n) with n <= max_new_tokens new tokens appended."""
         new = list(self.generate_stream(idx, max_new_tokens, temperature, top_k, top_p, eot_token,
-                                        use_cache, group, prefill_chunk))
+                                        use_cache, group, prefill_chunk, cuda_graph))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
+
+    def check_cuda_graph(self, idx, use_cache, group):
+        """Raise a ValueError naming what keeps cuda_graph=True from decoding this model this way."""
+        if self.config.attention not in GRAPH_DECODE_ATTENTIONS:
+            raise ValueError(f"cuda_graph=True decodes model.attention in {GRAPH_DECODE_ATTENTIONS} (with or without "
+                             f"attention_window), not {self.config.attention!r}: decode it without cuda_graph")
+        if not use_cache:
+            raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
+        if group is not None:
+            raise ValueError("cuda_graph=True decodes on one device: it does not take a process group "
+                             "(sharded decoding); decode without cuda_graph")
+        if self.training:
+            raise ValueError("cuda_graph=True decodes in eval mode: call model.eval() first")
+        if not (idx.is_cuda and self.lm_head.weight.is_cuda):
+            raise ValueError(f"cuda_graph=True needs the model and prompt on a CUDA device, not {idx.device.type}: "
+                             "decode without cuda_graph")
+
+
+class GraphedDecodeStep:
+    """`model(token, cache)` of one token over a static cache (InferenceCache.to_static), as a CUDA graph:
+    token (B, 1) -> logits (B, 1, vocab), a buffer the next call overwrites. The graph is captured once per
+    (batch, max_len) and replayed at every position: the token goes into a static input buffer, the step
+    writes the cache in place and advances the device-held position itself.
+
+    The first `warmup` calls run the step eagerly on a side stream (real steps, so nothing is undone), as
+    PyTorch's CUDA-graph docs require before a capture (cuBLAS workspaces, Triton compilation, autotuning);
+    the next call captures the step and replays it, and every later call is one replay.
+    """
+
+    def __init__(self, model, cache, batch_size, warmup=2):
+        cache.to_static()
+        self.model, self.cache, self.warmup = model, cache, warmup
+        self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=cache.position.device)
+        self.calls, self.graph, self.logits = 0, None, None
+
+    def step(self):
+        return self.model(self.token, cache=self.cache)[0]
+
+    def __call__(self, token):
+        self.token.copy_(token)
+        if self.calls < self.warmup:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.logits = self.step()
+            torch.cuda.current_stream().wait_stream(side)
+        else:
+            if self.graph is None:
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph):
+                    self.logits = self.step()
+            self.graph.replay()
+        self.calls += 1
+        return self.logits
 
 
 def check_sampling_options(max_new_tokens, temperature, top_k, top_p):

@@ -1,0 +1,202 @@
+"""Decode speed of one model: eager cached steps against CUDA-graph replays (GPT.generate_stream(cuda_graph=True)),
+against the memory-bandwidth bound and, optionally, transformers' generate on the same weights.
+
+    python -m scripts.bench_decode                                   # transformer_llama_360M, batch 1 16, ctx 4K 32K
+    python -m scripts.bench_decode --model fox_pro_360M --batch 1 --ctx 4096
+    python -m scripts.bench_decode --export-hf hf/llama360M-random   # write the random model for transformers
+    python -m scripts.bench_decode --hf hf/llama360M-random          # both sides load this directory's weights
+    python -m scripts.bench_decode --device cpu --model tiny --ctx 64 --n 4 --batch 1   # smoke test
+
+The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
+with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
+ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
+greedily: GPT.generate_stream without and with cuda_graph, transformers' generate (max_new_tokens = min_new_tokens
+= n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
+first few steps (a graph's warm-up steps and capture; transformers' compilation), each token waited for on the
+host as sample.py's printing does; tokens/s = B / that.
+
+The bound is the time to read, once per step, the weights a step multiplies (an untied input embedding and
+learned positions are lookups) and the whole cache at ctx positions, at --bandwidth-gbs (default 3350 GB/s:
+an H100 SXM's HBM3); "x bound" is ms/token over it.
+"""
+import argparse
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from model.gpt import GPT, GRAPH_DECODE_ATTENTIONS
+from model.hf.convert import export_hf, read_hf_model, write_imported_run
+from model.runtime import choose_device, choose_dtype
+from scripts.bench_sharded_decode import cache_bytes
+from scripts.bench_train import model_config
+
+SKIPPED_STEPS = 3   # GraphedDecodeStep's two eager warm-up steps and its capture; transformers compiles here
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="transformer_llama_360M", help="experiment config name, or tiny")
+    p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="tokens in the cache after decoding")
+    p.add_argument("--n", type=int, default=64, help="decoded tokens per row")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill step")
+    p.add_argument("--bandwidth-gbs", type=float, default=3350.0, help="memory bandwidth of the bound, GB/s")
+    p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
+    p.add_argument("--hf", default=None, metavar="DIR", help="a scripts.export_hf directory: time transformers' "
+                   "generate on it, and load its weights into our model too")
+    p.add_argument("--export-hf", default=None, metavar="DIR", help="write the random model as a transformers "
+                   "directory DIR (bf16) and exit")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.n < 2:
+        p.error("--n must be >= 2: a time per token needs two tokens")
+    bad = [c for c in args.ctx if c <= args.n]
+    if bad:
+        p.error(f"--ctx {bad} must exceed --n {args.n}: the prompt is ctx - n tokens")
+    return args
+
+
+def build_model(args, device, dtype):
+    """(model, name): random weights of the experiment config, or the weights of --hf DIR."""
+    if args.hf:
+        config, state = read_hf_model(args.hf)
+        model = GPT(config)
+        model.load_state_dict(state)
+        name = Path(args.hf).name
+    else:
+        config, _ = model_config(args.model, max(args.ctx))   # block_size = the longest context
+        torch.manual_seed(args.seed)
+        model = GPT(config)
+        name = args.model
+    return model.to(device=device, dtype=dtype).eval(), name
+
+
+def export_random(model, out):
+    """Write the model as a transformers directory through a temporary checkpoint (scripts.export_hf's path)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        state = {k: v.float() for k, v in model.state_dict().items()}
+        ckpt = write_imported_run(Path(tmp) / "run", model.config, state, {})
+        arch = export_hf(ckpt, out, dtype=torch.bfloat16)
+    print(f"wrote {out} ({arch}); time it with --hf {out}")
+
+
+def weight_bytes(model):
+    """Bytes of the weights a decode step reads in full: all but an untied input embedding and learned positions."""
+    lookups = [] if model.config.tie_embeddings else [model.wte.weight]
+    lookups += [model.wpe.weight] if model.wpe is not None else []
+    return sum(p.numel() * p.element_size() for p in model.parameters()) - sum(
+        p.numel() * p.element_size() for p in lookups)
+
+
+def per_token_ms(stamps):
+    """Median gap between consecutive token times (s) after the first steps, in ms."""
+    gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+    return 1e3 * statistics.median(gaps[min(SKIPPED_STEPS, len(gaps) - 1):])
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def fresh_memory(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(device):
+    return f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f}" if device.type == "cuda" else "-"
+
+
+def time_ours(model, prompt, n, cuda_graph, prefill_chunk):
+    stamps = []
+    for _ in model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph):
+        synchronize(prompt.device)
+        stamps.append(time.perf_counter())
+    return per_token_ms(stamps)
+
+
+def time_hf(hf_model, prompt, n, cache_implementation):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        """The time of every put: the prompt's, then one per new token (generate moves each to the CPU)."""
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            synchronize(prompt.device)
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    stamps = Stamps()
+    out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
+                            do_sample=False, streamer=stamps, cache_implementation=cache_implementation)
+    assert out.size(1) == prompt.size(1) + n, out.shape
+    return per_token_ms(stamps.times[1:])      # the first put is the prompt, before the prefill
+
+
+def load_hf(path, device, dtype):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=True).to(device).eval()
+
+
+def main(argv=None):
+    args = parse(argv)
+    device = choose_device(args.device)
+    dtype = choose_dtype("auto", device)
+    model, name = build_model(args, device, dtype)
+    if args.export_hf:
+        return export_random(model, args.export_hf)
+    graph = device.type == "cuda" and model.config.attention in GRAPH_DECODE_ATTENTIONS
+    print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, {str(dtype).removeprefix('torch.')} on {device}; "
+          f"bound at {args.bandwidth_gbs:g} GB/s (--bandwidth-gbs; 3350 GB/s: H100 SXM)")
+    if not graph:
+        print(f"no CUDA graph on {device.type}: eager rows only" if device.type != "cuda" else
+              f"no CUDA graph: model.attention={model.config.attention} is not one of {GRAPH_DECODE_ATTENTIONS}")
+    hf_model = None
+    if args.hf:
+        try:
+            hf_model = load_hf(args.hf, device, dtype)
+        except Exception as e:                       # the table goes on without the transformers rows
+            print(f"skip transformers rows: loading {args.hf} failed: {type(e).__name__}: {e}")
+    n_tokens = model.config.tokenizer_vocab_size or model.config.vocab_size
+    rows = []
+    for B in args.batch:
+        for ctx in args.ctx:
+            bound_ms = 1e3 * (weight_bytes(model) + cache_bytes(model.new_cache(B, ctx, device="meta"))) / (
+                args.bandwidth_gbs * 1e9)
+            prompt = torch.randint(0, n_tokens, (B, ctx - args.n), device=device)
+            runs = [("eager", lambda: time_ours(model, prompt, args.n, False, args.prefill_chunk))]
+            if graph:
+                runs.append(("cuda_graph", lambda: time_ours(model, prompt, args.n, True, args.prefill_chunk)))
+            if hf_model is not None:
+                runs += [(f"transformers {impl} cache", lambda impl=impl: time_hf(hf_model, prompt, args.n, impl))
+                         for impl in ("dynamic", "static")]
+            for mode, run in runs:
+                fresh_memory(device)
+                try:
+                    ms = run()
+                except Exception as e:
+                    if not mode.startswith("transformers"):
+                        raise
+                    print(f"skip {mode} at batch {B}, ctx {ctx}: {type(e).__name__}: {e}")
+                    continue
+                rows.append((B, ctx, name, mode, f"{ms:.3f}", f"{1e3 * B / ms:.1f}", f"{bound_ms:.3f}",
+                             f"{ms / bound_ms:.2f}", peak_gib(device)))
+                print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token", flush=True)
+    header = ("batch", "ctx", "model", "mode", "ms/token", "tokens/s", "bound ms", "x bound", "peak GiB")
+    print("\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
+                    ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]))
+
+
+if __name__ == "__main__":
+    main()

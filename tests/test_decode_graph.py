@@ -1,0 +1,258 @@
+"""CUDA-graph decoding: the static step (InferenceCache.to_static) run eagerly equals today's dynamic cached
+decoding on CPU; on a GPU its graph replays equal both (model/gpt.py GraphedDecodeStep); the benchmark runs."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sample
+from model.gpt import GPT, GRAPH_DECODE_ATTENTIONS, GraphedDecodeStep
+from tests.test_entry_errors import compose_config, error_of
+from tests.test_model import GPT2, LLAMA, PRO, tiny
+
+NOPOS = {**LLAMA, "pos": "none"}
+# every variant whose caches take static steps: softmax attention, LLaMA / GPT-2 / Pro blocks, FoX, windows
+GRAPH_VARIANTS = {
+    "llama": dict(attention="baseline", **LLAMA),
+    "gpt2": dict(attention="baseline", **GPT2),
+    "transformer_pro": dict(attention="baseline", **LLAMA, **PRO),
+    "fox_llama": dict(attention="fox", **NOPOS),
+    "fox_pro": dict(attention="fox", **NOPOS, **PRO),
+    "transformer_swa": dict(attention="baseline", attention_window=5, **LLAMA),
+    "fox_pro_swa": dict(attention="fox", attention_window=5, **NOPOS, **PRO),
+}
+GRAPH_CONFIGS = [pytest.param(kw, id=name) for name, kw in GRAPH_VARIANTS.items()]
+# FoX's gate bias goes through tree attention in fp32 (kernels.tree.fox_bias), as in sharded decoding;
+# everything else of the static step is computed in the model's precision
+FP64_ATOL = {"baseline": 1e-12, "fox": 1e-6}
+
+
+def model_of(kw, dtype=torch.float64, device="cpu", **size):
+    return GPT(tiny(**{**kw, **size})).to(device=device, dtype=dtype).eval()
+
+
+@torch.no_grad()
+def decode_logits(model, prompt, tokens, static, garbage=False):
+    """Logits of the prompt's last position, then of each of `tokens` (B, n) fed one at a time: dynamic
+    cached steps, or static ones after a dynamic prefill. garbage: first fill every cache row the prefill
+    left unwritten with large random values, which the static step's mask must hide."""
+    B, n = tokens.shape
+    cache = model.new_cache(B, prompt.size(1) + n + 3)     # spare rows: the static step reads them all
+    logits = [model(prompt, cache=cache, last_only=True)[0]]
+    if static:
+        if garbage:
+            for layer in cache.layers:
+                if not hasattr(layer, "window"):    # a window's ring marks its empty rows by position -1
+                    for buf in (layer.k, layer.v, getattr(layer, "log_fgate_cumsum", None)):
+                        if buf is not None:
+                            buf[:, :, layer.length:] = 100 * torch.randn_like(buf[:, :, layer.length:])
+        cache.to_static()
+    logits += [model(tokens[:, t:t + 1], cache=cache)[0] for t in range(n)]
+    return torch.cat(logits, dim=1), cache
+
+
+@pytest.mark.parametrize("T0", [1, 6, 9])
+@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+def test_static_step_logits_equal_dynamic(kw, T0):
+    """fp64, batch 3, odd prompt lengths (1: the window's ring still has empty rows), unwritten rows full of
+    garbage: every static step's logits equal the dynamic step's."""
+    model = model_of(kw)
+    prompt, tokens = torch.randint(0, 97, (3, T0)), torch.randint(0, 97, (3, 8))
+    dynamic, _ = decode_logits(model, prompt, tokens, static=False)
+    static, _ = decode_logits(model, prompt, tokens, static=True, garbage=True)
+    torch.testing.assert_close(static, dynamic, rtol=0, atol=FP64_ATOL[kw["attention"]])
+
+
+@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+def test_static_step_fp32(kw):
+    model = model_of(kw, torch.float32)
+    prompt, tokens = torch.randint(0, 97, (2, 7)), torch.randint(0, 97, (2, 5))
+    static, _ = decode_logits(model, prompt, tokens, static=True)
+    dynamic, _ = decode_logits(model, prompt, tokens, static=False)
+    torch.testing.assert_close(static, dynamic, rtol=1e-5, atol=1e-5)
+
+
+@torch.no_grad()
+def static_greedy(model, prompt, n):
+    """Greedy decoding as GPT.generate_stream does it, with every step after the prefill a static one (the
+    step GraphedDecodeStep captures), run eagerly."""
+    cache = model.new_cache(prompt.size(0), prompt.size(1) + n)
+    logits, _ = model(prompt, cache=cache, last_only=True)
+    cache.to_static()
+    tokens = []
+    for _ in range(n):
+        tokens.append(logits[:, -1].argmax(-1))
+        logits, _ = model(tokens[-1][:, None], cache=cache)
+    return torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1)
+
+
+@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+def test_static_greedy_generation_equals_dynamic(kw):
+    model = model_of(kw, torch.float32, block_size=64)
+    prompt = torch.randint(0, 97, (2, 5))
+    assert torch.equal(static_greedy(model, prompt, 24), model.generate(prompt, 24, temperature=0))
+
+
+def tensors_of(cache):
+    return {(i, name): x for i, layer in enumerate(cache.layers) for name, x in vars(layer).items()
+            if isinstance(x, torch.Tensor)}
+
+
+@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+def test_static_steps_keep_their_buffers_and_python_state(kw):
+    """What a captured graph relies on: a static step writes the cache in place (same tensors, same storage),
+    changes no Python state, reads RoPE tables that are not regrown, and advances the device position."""
+    model = model_of(kw, torch.float32)
+    prompt = torch.randint(0, 97, (2, 4))
+    cache = model.new_cache(2, 12)
+    model(prompt, cache=cache)
+    cache.to_static()
+    model(prompt[:, :1], cache=cache)                       # the first step may build the RoPE tables
+    before = {key: (x, x.data_ptr()) for key, x in tensors_of(cache).items()}
+    python_state = [(layer.length, layer.group) for layer in cache.layers], cache.pos
+    rope = model._rope_cos
+    for t in range(5):
+        model(prompt[:, t % 4:t % 4 + 1], cache=cache)
+    after = tensors_of(cache)
+    assert after.keys() == before.keys()
+    for key, (x, ptr) in before.items():
+        assert after[key] is x and x.data_ptr() == ptr, key
+    assert ([(layer.length, layer.group) for layer in cache.layers], cache.pos) == python_state == ([(4, None)] * 2, 4)
+    assert model._rope_cos is rope
+    assert cache.position.tolist() == [10] and all(layer.position is cache.position for layer in cache.layers)
+
+
+def test_static_step_takes_one_token():
+    model = model_of(GRAPH_VARIANTS["llama"])
+    cache = model.new_cache(1, 8)
+    cache.to_static()
+    with pytest.raises(ValueError, match="one token per step"):
+        model(torch.zeros(1, 2, dtype=torch.long), cache=cache)
+
+
+def test_static_learned_positions_check_the_whole_cache():
+    model = model_of(GRAPH_VARIANTS["gpt2"])                 # block_size 32
+    cache = model.new_cache(1, 40)
+    cache.to_static()
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+
+
+@pytest.mark.parametrize("attention", ["castle", "castle_swl"])
+def test_other_variants_refuse_cuda_graph(attention):
+    model = GPT(tiny(attention=attention, castle_window=3, **LLAMA)).eval()
+    prompt = torch.zeros(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"cuda_graph=True decodes model.attention in \('baseline', 'fox'\)"):
+        model.generate(prompt, 4, cuda_graph=True)
+    with pytest.raises(ValueError, match="static"):
+        model.new_cache(1, 8).to_static()
+    assert attention not in GRAPH_DECODE_ATTENTIONS
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({}, "CUDA device"),                      # the model is on the CPU
+    ({"use_cache": False}, "use_cache=True"),
+    ({"group": object()}, "process group"),
+])
+def test_cuda_graph_option_errors_are_named(kwargs, match):
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
+    with pytest.raises(ValueError, match=match):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph=True, **kwargs)
+
+
+def test_cuda_graph_refuses_training_mode():
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32).train()
+    with pytest.raises(ValueError, match="eval"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph=True)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["cuda_graph=true", "sharded=true"], "does not combine with sharded=true"),
+    (["cuda_graph=true", "device=cpu"], "cuda_graph=true needs a CUDA device"),
+    (["cuda_graph=yes"], "cuda_graph"),
+])
+def test_sample_cuda_graph_option_errors(overrides, expected):
+    assert expected in error_of(sample.check_sample_options, compose_config("sample", ["ckpt=x", *overrides]))
+
+
+def test_sample_cuda_graph_defaults_off():
+    cfg = compose_config("sample", ["ckpt=x"])
+    assert cfg.cuda_graph is False
+    sample.check_sample_options(cfg)
+
+
+# ----------------------------------------------------------------------------- the benchmark
+
+def test_bench_decode_smoke():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "scripts.bench_decode", "--device", "cpu", "--model", "tiny",
+                          "--ctx", "64", "--n", "4", "--batch", "1"], cwd=root, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| batch"))
+    rows = [line for line in lines[header + 2:] if line.startswith("|")]
+    assert len(rows) == 1 and rows[0].split("|")[4].strip() == "eager", out.stdout
+    assert "3350 GB/s" in out.stdout and "no CUDA graph on cpu" in out.stdout
+    ms = float(rows[0].split("|")[5])
+    assert ms > 0
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+GPU_SIZE = dict(n_embd=64, n_head=4, block_size=512)         # head_dim 16: the split-KV kernel's smallest tile
+
+
+def graphed_logits(model, prompt, tokens):
+    """Logits of each of `tokens` (B, n) through GraphedDecodeStep after a dynamic prefill (the first calls
+    warm up eagerly, then it captures and replays)."""
+    cache = model.new_cache(prompt.size(0), prompt.size(1) + tokens.size(1) + 200)   # a few key tiles
+    model(prompt, cache=cache)
+    step = GraphedDecodeStep(model, cache, prompt.size(0))
+    out = [step(tokens[:, t:t + 1]).clone() for t in range(tokens.size(1))]
+    assert step.graph is not None and step.calls == tokens.size(1)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+@torch.no_grad()
+def test_graph_replay_equals_eager_static_and_dynamic_step(kw):
+    model = model_of(kw, torch.bfloat16, "cuda", **GPU_SIZE)
+    prompt = torch.randint(0, 97, (3, 37), device="cuda")
+    tokens = torch.randint(0, 97, (3, 12), device="cuda")
+    graphed = graphed_logits(model, prompt, tokens)
+    cache = model.new_cache(3, 37 + 12 + 200)
+    model(prompt, cache=cache)
+    cache.to_static()
+    eager_static = torch.cat([model(tokens[:, t:t + 1], cache=cache)[0] for t in range(12)], dim=1)
+    dynamic = decode_logits(model, prompt, tokens, static=False)[0][:, 1:]
+    torch.testing.assert_close(graphed.float(), eager_static.float(), rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(graphed.float(), dynamic.float(), rtol=1.6e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+def test_graph_greedy_tokens_equal(kw):
+    """32 greedy tokens: in fp32 cuda_graph=True equals the dynamic path; in bf16 the graph equals the same
+    static step run eagerly (the same kernels, so near-ties cannot break differently)."""
+    prompt = torch.randint(0, 97, (2, 11), device="cuda")
+    model = model_of(kw, torch.float32, "cuda", **GPU_SIZE)
+    assert torch.equal(model.generate(prompt, 32, temperature=0, cuda_graph=True),
+                       model.generate(prompt, 32, temperature=0))
+    model = model_of(kw, torch.bfloat16, "cuda", **GPU_SIZE)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, 32, temperature=0, cuda_graph=True), static_greedy(model, prompt, 32))
+
+
+@pytest.mark.gpu
+def test_graph_sampling_follows_the_seed():
+    """Sampling stays outside the graph: the same seed draws the same tokens with and without it (fp32)."""
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32, "cuda", **GPU_SIZE)
+    prompt = torch.randint(0, 97, (2, 5), device="cuda")
+    torch.manual_seed(3)
+    graphed = model.generate(prompt, 16, temperature=1.0, top_k=20, cuda_graph=True)
+    torch.manual_seed(3)
+    assert torch.equal(graphed, model.generate(prompt, 16, temperature=1.0, top_k=20))
