@@ -18,8 +18,10 @@ t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 
   tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
               combine="gather", impl="auto", return_lse=False)
       -> out (B, Hq, n, D) in q.dtype [, lse (B, Hq, n) fp32]: attention over the union of all
-         ranks' slices, bitwise identical on every rank. No group, or a group of one rank:
-         exactly the local result and no collective.
+         ranks' slices, bitwise identical on every rank. group=None is the default process group once
+         torch.distributed is initialised (one process otherwise); a group of one rank gives exactly
+         the local result and no collective. Caches call RoundRobinRows.merged_attention, which never
+         communicates without a group of their own.
   attn_partial(q, k, v, *, scale=None, bias=None, impl="auto") -> (out, lse), fp32:
       the local step, over the given keys only. Empty or fully masked rows: out 0, lse NEG.
   tree_merge(out, lse, group=None, *, combine="gather") -> (out, lse) merged over the group.
@@ -286,6 +288,15 @@ class RoundRobinRows:
     def key_positions(self, first_row=0):
         """Global positions of the local rows first_row .. n_local - 1."""
         return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.device)
+
+    def merged_attention(self, q, k, v, *, scale=None, bias=None):
+        """Attention of the replicated queries over the rows k, v held here merged with every other rank's
+        (tree_decode over the cache's group); an unsharded cache attends to its own rows with no collective,
+        also in a process that belongs to a process group (rank 0 sampling alone after multi-GPU training)."""
+        if self.group is None:
+            out, _ = attn_partial(q, k, v, scale=scale, bias=bias)
+            return out.to(q.dtype)
+        return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias)
 
 
 # ----------------------------------------------------------------------------- variant logits

@@ -26,7 +26,7 @@ from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
 from kernels.fused import LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu
 from kernels.fused import reference as fused_reference
 from kernels.sdpa import decode_sdpa
-from kernels.tree import RoundRobinRows, fox_bias, mask_bias, tree_decode
+from kernels.tree import RoundRobinRows, fox_bias, mask_bias
 from model.recurrent import LAYERS as RECURRENT_LAYERS
 from model.recurrent import RECURRENT_ATTENTIONS, check_widths
 
@@ -529,7 +529,7 @@ class WindowCache(RoundRobinRows):
         bias = mask_bias(q_pos, k_pos, window=self.window)
         if c_keys is not None:   # -c_j relative to the newest c, as in attend_rows
             bias = bias + fox_bias(c_keys - self.c_last)
-        return tree_decode(q, keys, values, group=self.group, bias_local=bias)
+        return self.merged_attention(q, keys, values, bias=bias)
 
 
 FGATES = ("data_dependent", "bias_only", "fixed")
@@ -704,7 +704,7 @@ def attend_rows(q, k, v, c, cache):
     if c is not None:
         fox = fox_bias(c - cache.c_last)
         bias = fox if bias is None else bias + fox
-    return tree_decode(q, k, v, group=cache.group, bias_local=bias)
+    return cache.merged_attention(q, k, v, bias=bias)
 
 
 register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))

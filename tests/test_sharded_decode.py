@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import tempfile
+import time
 import traceback
 
 import pytest
@@ -165,6 +166,40 @@ def test_sharded_greedy_equals_single_process_nccl(variant):
     outcomes = run_world(2, "nccl")[variant]
     bad = [f"rank {r}: {o}" for r, o in enumerate(outcomes) if o != "ok"]
     assert not bad, "\n".join(bad)
+
+
+def _decode_alone(rank, init_file, out_dir):
+    """Rank 0 decodes window, FoX and CASTLE models on its own (unsharded caches) while rank 1 waits outside any
+    collective: a collective there would block rank 0 until the group's timeout."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=20))
+    done = os.path.join(out_dir, "done")
+    if rank == 0:
+        outcome = "ok"
+        try:
+            for kw in (dict(attention_window=3, **LLAMA), VARIANTS["fox_pro"], VARIANTS["castle_swl"]):
+                GPT(tiny(**kw)).eval().generate(torch.randint(0, 97, (1, 7)), 5, temperature=0)
+        except Exception as e:
+            outcome = repr(e)
+        with open(done, "w") as f:
+            f.write(outcome)
+    else:
+        for _ in range(600):
+            if os.path.exists(done):
+                break
+            time.sleep(0.1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_an_unsharded_cache_decodes_without_collectives_inside_a_process_group():
+    """train.py's end-of-run sample runs on rank 0 alone after multi-GPU training: its decoding must not
+    enter a collective (tree_decode's group=None is the default group)."""
+    tmp = tempfile.mkdtemp(prefix="decode_alone_")
+    mp.spawn(_decode_alone, args=(os.path.join(tmp, "init"), tmp), nprocs=2)
+    with open(os.path.join(tmp, "done")) as f:
+        assert f.read() == "ok"
 
 
 def test_unsharded_cache_without_group():

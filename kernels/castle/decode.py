@@ -16,12 +16,11 @@ causal_keys=False holds no K^C (a UQ-V cache; prefill and decode then take kc=No
 silu=False scores s^C - s^U.
 """
 import torch
-import torch.nn.functional as F
 
 from kernels.castle.reference import blockwise_forward, check_inputs, lookahead_logit, to_blocks
 from kernels.castle.triton import default_config, triton_forward
 from kernels.sdpa import decode_sdpa
-from kernels.tree import RoundRobinRows, tree_decode
+from kernels.tree import RoundRobinRows
 from kernels.triton_utils import at_least_fp32, interpreting, padded_head_dim, require_triton, tl, triton
 
 if triton is not None:
@@ -281,7 +280,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     if cache.world == 1:
         out = decode_sdpa(q, k, cache.vc, attn_mask=_sdpa_mask(bias, qc.dtype), scale=cache.scale)
     else:
-        out = tree_decode(q, k, cache.vc, group=cache.group, scale=cache.scale, bias_local=bias)
+        out = cache.merged_attention(q, k, cache.vc, scale=cache.scale, bias=bias)
     return out, cache                                                        # eqs (5), (7), (8)
 
 
