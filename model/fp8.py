@@ -11,6 +11,8 @@ matmul's requirement), except the fla layers of the recurrent baselines (their k
 themselves). Not converted: the output head (the logits feeding the loss stay bf16, as in torchao's
 recipes) and the embeddings.
 """
+import importlib.util
+
 import torch
 import torch.nn as nn
 
@@ -18,7 +20,7 @@ FP8_MIN_CAPABILITY = (8, 9)   # float8 tensor cores: Ada, Hopper and newer
 
 
 def check_fp8_device(device):
-    """A ValueError naming train.fp8 unless `device` has float8 matmuls."""
+    """A ValueError naming train.fp8 unless `device` has float8 matmuls and torchao is installed."""
     if device.type != "cuda":
         raise ValueError(f"train.fp8=true runs float8 matmuls, which need a CUDA GPU of compute capability >= 8.9 "
                          f"(Ada, Hopper or newer); this run is on {device.type}: set train.fp8=false")
@@ -27,6 +29,8 @@ def check_fp8_device(device):
         raise ValueError(f"train.fp8=true needs float8 matmuls (compute capability >= 8.9: Ada, Hopper or newer); "
                          f"{torch.cuda.get_device_name(device)} has {capability[0]}.{capability[1]}: "
                          "set train.fp8=false")
+    if importlib.util.find_spec("torchao") is None:
+        raise ValueError("train.fp8=true runs torchao's Float8Linear: pip install torchao (or set train.fp8=false)")
 
 
 def fp8_layer_names(model):
@@ -39,10 +43,8 @@ def fp8_layer_names(model):
 def convert_to_fp8(model):
     """Swap fp8_layer_names(model) for torchao's Float8Linear, in place, before FSDP and torch.compile see the
     model; -> the names converted."""
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError as e:
-        raise ImportError("train.fp8=true needs torchao (pip install torchao)") from e
+    from torchao.float8 import convert_to_float8_training   # optional (requirements.txt): check_fp8_device checks
+
     names = set(fp8_layer_names(model))
     convert_to_float8_training(model, module_filter_fn=lambda module, name: name in names)
     return sorted(names)

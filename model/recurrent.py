@@ -22,10 +22,9 @@ import logging
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import triton
 from packaging.version import Version
 
-from kernels.triton_utils import interpreting
+from kernels.triton_utils import interpreting, triton
 
 RECURRENT_ATTENTIONS = ("mamba2", "hgrn2", "deltanet", "gated_deltanet")
 # fla's gated chunk backward (chunk_bwd_dqkwg with a decay: Mamba-2's scan through chunk_simple_gla, Gated DeltaNet)
@@ -42,7 +41,7 @@ def fla_kernels_ready(x, attention):
 
 def check_trainable(attention, device):
     """Before training: a ValueError when fla would refuse this layer's backward on `device` (GATED_BACKWARD)."""
-    if device.type == "cuda" and attention in GATED_BACKWARD:
+    if device.type == "cuda" and attention in GATED_BACKWARD and triton is not None:   # without triton fla cannot run
         refuse_gated_backward(attention, torch.cuda.get_device_capability(device), triton.__version__)
 
 
