@@ -11,6 +11,7 @@
 #   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves, FSDP2 + checkpointing at XL
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   bash scripts/gpu_session.sh xs                   # tokens/s of the compare_XS variants (SET=ablations), one at a time
+#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: its GPU tests, eager vs graph vs transformers
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
@@ -82,7 +83,11 @@ case "${1:-tests}" in
              compare_XS:model.attention_window=256 compare_XS:model=castle \
              compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
              compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
+  decode)  python -m pytest -m gpu -q -rs tests/test_decode_graph.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
+           python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
+           python -m scripts.bench_decode --hf /tmp/hf360 2>&1 | tee "$OUT/bench_decode.log" | tail -14
+           python -m scripts.bench_decode --model fox_pro_360M --batch 1 2>&1 | tee -a "$OUT/bench_decode.log" | tail -6 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | fp8 | xs | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | fp8 | xs | decode | compare"; exit 2 ;;
 esac
