@@ -195,6 +195,7 @@ class GPTConfig:
 
 FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # GPTConfig fields that change no result
 FUSED_SWIGLU = ("none", "packed", "triton")
+PACK_ALIGN = 64   # the packed SwiGLU's halves start on multiples of 64 units (SwiGLU)
 LOSS_CHOICES = LOSS_IMPLS + ("auto",)
 
 
@@ -261,7 +262,12 @@ def mlp_hidden_size(config):
 class SwiGLU(nn.Module):
     """w_down(silu(w_gate x) * w_up x). `fused` (GPTConfig.fused_swiglu) "packed": one matmul with the
     concatenated [w_gate; w_up] (x read once, one matmul each way in the backward; the weights stay two
-    parameters), silu(a) * b left to torch.compile; "triton": packed, and the Triton kernel for silu(a) * b."""
+    parameters), silu(a) * b left to torch.compile; "triton": packed, and the Triton kernel for silu(a) * b.
+
+    Packed, each half is padded with zero rows to a multiple of PACK_ALIGN (and w_down with zero columns): a
+    hidden size like the papers' 8/3 * 896 = 2389 leaves every matmul and the up half misaligned, which
+    costs cuBLAS its aligned kernels. The padded units compute silu(0) * 0 = 0 and meet zero columns of
+    w_down, so outputs and gradients are the unpadded ones; the parameters keep their shapes."""
 
     def __init__(self, config):
         super().__init__()
@@ -271,13 +277,17 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.w_down.residual_proj = True
         self.fused = config.fused_swiglu
+        self.pad = -hidden % PACK_ALIGN
 
     def forward(self, x):
         if self.fused == "none":
             return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-        bias = torch.cat([self.w_gate.bias, self.w_up.bias]) if self.w_gate.bias is not None else None
-        gate_up = F.linear(x, torch.cat([self.w_gate.weight, self.w_up.weight]), bias)
-        return self.w_down(swiglu(gate_up) if self.fused == "triton" else fused_reference.swiglu(gate_up))
+        weight = torch.cat([F.pad(w, (0, 0, 0, self.pad)) for w in (self.w_gate.weight, self.w_up.weight)])
+        bias = (torch.cat([F.pad(b, (0, self.pad)) for b in (self.w_gate.bias, self.w_up.bias)])
+                if self.w_gate.bias is not None else None)
+        gate_up = F.linear(x, weight, bias)
+        h = swiglu(gate_up) if self.fused == "triton" else fused_reference.swiglu(gate_up)
+        return F.linear(h, F.pad(self.w_down.weight, (0, self.pad)), self.w_down.bias)
 
 
 class GeluMLP(nn.Module):
