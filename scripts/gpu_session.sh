@@ -19,7 +19,8 @@
 # `pip install --no-deps --target .whl/liger liger-kernel==0.8.5`, `pip download --no-deps -d .whl torchao==0.18.0`
 # (stage fp8) and `cp ../shared/bench/plain_llama_step.py .whl/`
 # (stage fused); .gpu_data/text with
-# `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`.
+# `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`,
+# its train shard compressed to fit the 64 MiB carry (`xz -T2 .gpu_data/text/train_000000.bin`; unpacked here).
 # Keep each stage under the device's 10-minute limit: compiling takes 1.5-5 minutes per model (the CASTLE M
 # models the longest), so give `train` two to four models per call.
 set -uo pipefail
@@ -28,6 +29,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:.whl/liger
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"; git log --oneline -1 >> "$OUT/env.txt"
+for f in .gpu_data/*/*.xz; do [ -f "$f" ] && [ ! -f "${f%.xz}" ] && xz -dk -T8 "$f"; done
 case "${1:-tests}" in
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
