@@ -765,9 +765,12 @@ class CastleAttention(nn.Module):
 
     def flops_per_token(self, seq_len):
         # The block algorithm (arXiv:2509.07301 App. 8) takes 8 block matmuls per (query, key) tile pair inside
-        # the lookahead window, 3 outside it (SWL), against FlashAttention's 2: ~4x and ~1.5x its FLOPs
+        # the lookahead window, 3 outside it (SWL), against FlashAttention's 2: ~4x and ~1.5x its FLOPs; without
+        # causal keys one of each, Q^C K^C^T (with its gradients), is not computed
+        dropped = 0 if self.causal_keys else 1
         inside = keys_per_query(seq_len, self.window)
-        return 12 * self.n_head * self.head_dim * (4 * inside + 1.5 * (keys_per_query(seq_len) - inside))
+        return 12 * self.n_head * self.head_dim * ((8 - dropped) / 2 * inside
+                                                   + (3 - dropped) / 2 * (keys_per_query(seq_len) - inside))
 
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))

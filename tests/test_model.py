@@ -293,6 +293,9 @@ def test_castle_flops_swl_window_past_the_context_is_castle():
     castle = GPT(tiny(attention="castle")).flops_per_token(40)
     assert GPT(tiny(attention="castle_swl", castle_window=40)).flops_per_token(40) == pytest.approx(castle)
     assert GPT(tiny(attention="castle_swl", castle_window=4)).flops_per_token(40) < castle
+    no_causal_keys = GPT(tiny(attention="castle", castle_causal_keys=False))   # 7 of the 8 block matmuls
+    attention = castle - 6 * GPT(tiny(attention="castle")).num_params()
+    assert no_causal_keys.flops_per_token(40) - 6 * no_causal_keys.num_params() == pytest.approx(attention * 7 / 8)
 
 
 @pytest.mark.parametrize("name", ["fox_pro_per_head_qk_norm", "gpt2_style"])
