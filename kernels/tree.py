@@ -32,7 +32,7 @@ t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 
       all far below the local attention at long contexts.
   merge_states(out, lse) -> merge of partial states stacked along dim 0, on one device.
   ring_decode / allgather_decode: the baselines (move K/V instead of states), same signature.
-  RoundRobinRows: the rows of a sharded cache (model/gpt.py's KVCache, kernels.castle.CastleCache).
+  RoundRobinRows: the rows of a sharded cache (model/cache.py's KVCache, kernels.castle.CastleCache).
   Internal API (tests and scripts/bench_tree.py): attn_partial_triton, all_gather.
 
 bias is any additive per-(query, key) logit term, broadcastable to (B, Hq, n, t), -inf excludes

@@ -39,7 +39,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.castle import CastleCache
-from model.gpt import GPT, CastleAttention, GPTConfig, SoftmaxCache
+from model.cache import SoftmaxCache
+from model.gpt import GPT, CastleAttention, GPTConfig
 from model.runtime import Dist, choose_device, choose_dtype
 
 VARIANTS = ("baseline", "fox", "castle", "castle_swl")

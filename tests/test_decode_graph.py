@@ -1,5 +1,5 @@
 """CUDA-graph decoding: the static step (InferenceCache.to_static) run eagerly equals today's dynamic cached
-decoding on CPU; on a GPU its graph replays equal both (model/gpt.py GraphedDecodeStep); the benchmark runs."""
+decoding on CPU; on a GPU its graph replays equal both (model/sampling.py GraphedDecodeStep); the benchmark runs."""
 import os
 import subprocess
 import sys
@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import sample
-from model.gpt import GPT, GRAPH_DECODE_ATTENTIONS, GraphedDecodeStep
+from model.gpt import GPT, GRAPH_DECODE_ATTENTIONS
+from model.sampling import GraphedDecodeStep
 from tests.test_entry_errors import compose_config, error_of
 from tests.test_model import GPT2, LLAMA, PRO, tiny
 

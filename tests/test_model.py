@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
-from model.gpt import (ATTENTIONS, GPT, RECURRENT_ATTENTIONS, GPTConfig, apply_rope, check_sampling_options,
-                       fused_loss_impl, keys_per_query, mlp_hidden_size, rope_tables, sample_token, split_heads)
+from model.gpt import (ATTENTIONS, GPT, RECURRENT_ATTENTIONS, GPTConfig, apply_rope, fused_loss_impl, keys_per_query,
+                       mlp_hidden_size, rope_tables, split_heads)
+from model.sampling import check_sampling_options, sample_token
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
 GPT2 = dict(norm="layernorm", mlp="gelu", pos="learned", bias=True)

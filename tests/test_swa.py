@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from test_model import experiment_model
 from test_sharded_decode import SETUPS, VARIANTS, greedy, tiny
 
-from model.gpt import GPT, GPTConfig, WindowCache
+from model.cache import WindowCache
+from model.gpt import GPT, GPTConfig
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 WINDOWED = ["baseline", "gpt2_style", "transformer_pro", "fox_llama", "fox_pro"]
