@@ -546,8 +546,9 @@ def keys_per_query(seq_len, window=None):
 
 register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))
 register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
-WINDOWED_ATTENTIONS = ("baseline", "fox")   # those that take model.attention_window
-GRAPH_DECODE_ATTENTIONS = ("baseline", "fox")   # those whose caches take static steps (CUDA-graph decoding)
+# SoftmaxAttention's variants: they take model.attention_window, and their caches (model/cache.py) take the static
+# steps of CUDA-graph decoding
+WINDOWED_ATTENTIONS = GRAPH_DECODE_ATTENTIONS = ("baseline", "fox")
 
 
 class CastleAttention(nn.Module):
