@@ -413,6 +413,8 @@ def print_summary(step, tokens_per_step, seconds, summary, last_ckpt, out_dir):
         parts += [f"train loss {summary['loss']:.4f}", f"{summary['tok_per_s']:,.0f} tok/s"]
     if summary.get("mfu") is not None:
         parts.append(f"MFU {summary['mfu']:.1%}")
+    if summary.get("peak_gib") is not None:
+        parts.append(f"peak {summary['peak_gib']:.1f} GiB")
     if "val_loss" in summary:
         parts.append(f"val loss {summary['val_loss']:.4f}")
     print("done: " + " | ".join(parts) + f"\ncheckpoint: {last_ckpt}\nloss curve: {plot}")
@@ -592,9 +594,11 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                           "tok_per_s": tok_s, "eta_s": (cfg.train.max_steps - step) * tokens_per_step / tok_s}
                 if device.type == "cuda":
                     record["mfu"] = flops_per_step / dt / (cfg.train.peak_flops * dist_info.world)
+                    record["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30   # this rank's, so far
                 record.update(realised_mix(loader))
                 losses = []
-                summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"))
+                summary.update(loss=record["loss"], tok_per_s=tok_s, mfu=record.get("mfu"),
+                               peak_gib=record.get("peak_gib"))
                 if dist_info.master:
                     bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{tok_s:,.0f}",
                                     **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),

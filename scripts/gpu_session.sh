@@ -8,7 +8,10 @@
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
 #   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
-#   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves, FSDP2 + checkpointing at XL
+#   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves of Baseline-XL
+#   bash scripts/gpu_session.sh fsdp                 # 2-4 GPUs: CASTLE-XL, FoX (Pro) 760M under FSDP2 + checkpointing
+#   bash scripts/gpu_session.sh ac                   # 3 GPUs: the checkpointing table (largest micro-batch in 80 GB)
+#   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   bash scripts/gpu_session.sh xs                   # tokens/s of the compare_XS variants (SET=ablations), one at a time
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: its GPU tests, eager vs graph vs transformers
@@ -25,12 +28,15 @@
 # models the longest), so give `train` two to four models per call.
 set -uo pipefail
 OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:.whl/liger
+# stages may run side by side on separate GPUs (CUDA_VISIBLE_DEVICES): the wheels are installed once
+[ -f /tmp/site/.installed ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl && touch /tmp/site/.installed; }
+export PYTHONPATH=/tmp/site:.whl/liger
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"; git log --oneline -1 >> "$OUT/env.txt"
 for f in .gpu_data/*/*.xz; do [ -f "$f" ] && [ ! -f "${f%.xz}" ] && xz -dk -T8 "$f"; done
 case "${1:-tests}" in
+  setup)   ;;   # the wheels and the data only, before stages run side by side
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
   tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
@@ -59,18 +65,33 @@ case "${1:-tests}" in
              data=text data.dir=.gpu_data/text train.micro_batch_size=16 2>&1 | tee "$OUT/scaling.log" | tail -10 ;;
   scale)   N=$(nvidia-smi -L | wc -l)
            for fmt in full dcp dcp_async; do   # eager: a save does not depend on compile
-             torchrun --standalone --nproc_per_node=$N train.py experiment=baseline_paper_XL data=text \
+             timeout 200 torchrun --standalone --nproc_per_node=$N train.py experiment=baseline_paper_XL data=text \
                data.dir=.gpu_data/text train.parallel=fsdp train.compile=false train.micro_batch_size=4 \
-               train.global_batch_tokens=null train.max_steps=3 train.ckpt_interval=1 train.keep_last=3 \
+               train.global_batch_tokens=null train.max_steps=2 train.ckpt_interval=1 train.keep_last=3 \
                train.eval_interval=1000 train.eval_tokens=32768 train.sample_tokens=0 train.out_dir=/tmp/ckpt_bench/$fmt \
                train.ckpt_format=${fmt%_async} train.ckpt_async=$([ $fmt = dcp_async ] && echo true || echo false) \
                > "$OUT/ckpt_$fmt.log" 2>&1
            done
-           grep -H ckpt_ /tmp/ckpt_bench/*/metrics.jsonl | tee "$OUT/ckpt_bench.txt"
-           torchrun --standalone --nproc_per_node=$N train.py experiment=castle_paper_XL data=text data.dir=.gpu_data/text \
-             train.parallel=fsdp train.activation_checkpointing=selective train.max_steps=8 train.log_interval=2 \
-             train.global_batch_tokens=null train.eval_interval=1000 train.eval_tokens=32768 train.ckpt_interval=1000 \
-             train.sample_tokens=0 train.out_dir=/tmp/xl_fsdp 2>&1 | tee "$OUT/castle_xl_fsdp.log" | grep -a "memory plan\|done" ;;
+           grep -H ckpt_ /tmp/ckpt_bench/*/metrics.jsonl | tee "$OUT/ckpt_bench.txt" ;;
+  fsdp)    N=$(nvidia-smi -L | wc -l)   # the XL and 760M recipes' micro-batches, FSDP2 + selective checkpointing + compile;
+           # CASTLE-XL's two dcp saves (steps 4 and 8) are timed too
+           for exp in castle_paper_XL fox_pro_760M; do
+             timeout 270 torchrun --standalone --nproc_per_node=$N train.py experiment=$exp data=text \
+               data.dir=.gpu_data/text train.parallel=fsdp train.activation_checkpointing=selective train.max_steps=8 \
+               train.log_interval=2 train.global_batch_tokens=null train.eval_interval=1000 train.eval_tokens=32768 \
+               train.ckpt_format=dcp train.ckpt_interval=$([ $exp = castle_paper_XL ] && echo 4 || echo 1000) \
+               train.sample_tokens=0 train.out_dir=/tmp/fsdp_$exp > "$OUT/fsdp_$exp.log" 2>&1
+             grep -a "memory plan\|^done" "$OUT/fsdp_$exp.log"; cp /tmp/fsdp_$exp/metrics.jsonl "$OUT/fsdp_$exp.jsonl"
+           done ;;
+  ac)      N=$(nvidia-smi -L | wc -l)   # one model per GPU, side by side: the largest micro-batch in 80 GB per mode
+           i=0
+           for args in "baseline_paper_XL" "fox_pro_760M --max-batch 16" "castle_paper_XL --modes none full"; do
+             CUDA_VISIBLE_DEVICES=$((i % N)) timeout ${AC_TIMEOUT:-570} python -m scripts.bench_memory --models $args \
+               --steps 3 --warmup 2 --memory-gib 79.1 > "$OUT/ac_${args%% *}.log" 2>&1 &
+             i=$((i + 1))
+           done; wait; tail -n 8 "$OUT"/ac_*.log ;;
+  window)  timeout ${WINDOW_TIMEOUT:-240} python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py \
+             tests/test_decode_graph.py -k "window or swa or graph" 2>&1 | tee "$OUT/pytest_window.log" | tail -6 ;;
   fp8)     for fp8 in false true; do   # GPU 0: bf16, GPU 1: fp8; 500 steps of 65536 tokens (33M)
              CUDA_VISIBLE_DEVICES=$([ $fp8 = true ] && echo 1 || echo 0) python train.py experiment=baseline_paper_M \
                data=text data.dir=.gpu_data/text train.max_steps=500 train.global_batch_tokens=65536 \
@@ -91,5 +112,5 @@ case "${1:-tests}" in
            python -m scripts.bench_decode --model fox_pro_360M --batch 1 2>&1 | tee -a "$OUT/bench_decode.log" | tail -6 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: tests | tests2 | train | fused | memory | kernels | multi | scale | fp8 | xs | decode | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | memory | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | compare"; exit 2 ;;
 esac
