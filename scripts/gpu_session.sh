@@ -64,8 +64,8 @@ case "${1:-tests}" in
            python -m scripts.bench_scaling --gpus $(printf "%s\n" 1 2 $N | sort -un) --steps 14 --skip 4 --out /tmp/scaling -- experiment=baseline_paper_M \
              data=text data.dir=.gpu_data/text train.micro_batch_size=16 2>&1 | tee "$OUT/scaling.log" | tail -10 ;;
   scale)   N=$(nvidia-smi -L | wc -l)
-           for fmt in full dcp dcp_async; do   # eager: a save does not depend on compile
-             timeout 200 torchrun --standalone --nproc_per_node=$N train.py experiment=baseline_paper_XL data=text \
+           for fmt in ${FORMATS:-full dcp dcp_async}; do   # eager: a save does not depend on compile
+             timeout ${SAVE_TIMEOUT:-200} torchrun --standalone --nproc_per_node=$N train.py experiment=baseline_paper_XL data=text \
                data.dir=.gpu_data/text train.parallel=fsdp train.compile=false train.micro_batch_size=4 \
                train.global_batch_tokens=null train.max_steps=2 train.ckpt_interval=1 train.keep_last=3 \
                train.eval_interval=1000 train.eval_tokens=32768 train.sample_tokens=0 train.out_dir=/tmp/ckpt_bench/$fmt \
