@@ -48,7 +48,8 @@ dtype (under autocast one cast per Linear that reads it; compiled, one), the pro
 rotated / normalized / shifted q, k, v, the attention core's own saves (SDPA and the Triton kernels:
 output + log-sum-exp; the CPU references of FoX, sliding-window attention and CASTLE: their L x L
 probability matrices), and the
-MLP's hidden activations (SwiGLU: gate, SiLU(gate), up, product; compiled, SiLU(gate) is recomputed).
+MLP's hidden activations (SwiGLU: gate, SiLU(gate), up, product; compiled, SiLU(gate) is recomputed), and the
+Pro block's KV-shift: its fp32 alpha, and eager also the shifted k and v in fp32 (compiled, recomputed).
 The count is of eager PyTorch; compiled graphs keep the same tensors except the pointwise ones torch.compile
 recomputes (named above). tests/test_memory_plan.py checks the count against the CPU allocator (eager,
 fp32 and bf16 autocast, every variant and checkpointing mode); `scripts/bench_memory.py` prints each
@@ -93,7 +94,7 @@ def head_norm_bytes(i, H, a, cpu):
     return FP32 * H + a * i + (FP32 * i if cpu and a != FP32 else 0)
 
 
-def softmax_attention_bytes(c, T, a, cpu):
+def softmax_attention_bytes(c, T, a, cpu, compiled):
     """SoftmaxAttention (baseline, FoX, sliding-window; LLaMA or Pro block) per token, beyond its input."""
     i, H = c.n_head * c.head_dim, c.n_head
     forgetting_kernels = c.attention == "fox" or c.attention_window is not None   # else SDPA
@@ -104,8 +105,8 @@ def softmax_attention_bytes(c, T, a, cpu):
         # inputs), and the q, k, v an op made anew: RoPE and QK-norm (q, k), KV-shift (k, v)
         new_q, new_k = c.pos == "rope" or c.qk_norm, c.pos == "rope" or c.qk_norm or c.kv_shift
         total += 3 * a * i + (new_q + new_k + bool(c.kv_shift)) * a * i
-    if c.kv_shift:                                        # eqs (17), (19): alpha, the shifted k, v in fp32
-        total += 2 * FP32 * H + 2 * (FP32 * i + (FP32 * i if a != FP32 else 0))
+    if c.kv_shift:     # eqs (17), (19): alpha, and (eager) the shifted k, v in fp32; compiled, the shift is
+        total += 2 * FP32 * H + (0 if compiled else 2 * (FP32 * i + (FP32 * i if a != FP32 else 0)))  # recomputed
     if c.qk_norm:
         total += 2 * head_norm_bytes(i, H, a, cpu) + (2 * a * i if c.pos == "rope" else 0)   # then RoPE again
     if c.attention == "fox":                              # gate logits and log f (fp32); Triton: c offsets
@@ -154,7 +155,8 @@ def attention_readers(c):
 def block_bytes_per_token(c, T, a, cpu, compiled):
     """Bytes one block keeps for the backward per token (its own input included)."""
     d = c.n_embd
-    attention = (castle_attention_bytes if c.attention.startswith("castle") else softmax_attention_bytes)(c, T, a, cpu)
+    attention = (castle_attention_bytes(c, T, a, cpu) if c.attention.startswith("castle")
+                 else softmax_attention_bytes(c, T, a, cpu, compiled))
     return (FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, attention_readers(c), a, compiled) + attention
             + FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, 2 if c.mlp == "swiglu" else 1, a, compiled)
             + mlp_bytes(c, a, compiled))
