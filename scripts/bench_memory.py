@@ -15,8 +15,10 @@ on CUDA the step must run with the allocator capped there (set_per_process_memor
 card answers for a smaller one; default the whole card), on CPU the parameters, gradients, AdamW state
 and the step's own allocations (the profiler's allocation records) must peak within it. A search
 assumes that what fits at a micro-batch fits at every smaller one. Then every mode is compiled and
-timed at its micro-batch (scripts.bench_train's step); a compiled step that does not fit there is
-reported as such. Rows print as soon as measured.
+timed at its micro-batch (scripts.bench_train's step); where the compiled step does not fit there, it is
+timed at 3/4 and then 1/2 of it instead (the row's "timed at"), since a compiled step can need more memory
+than the eager one at the same micro-batch; "vs none" is the tokens/s against mode none's row (--modes
+none first). Rows print as soon as measured.
 
 Every measured peak stands next to the memory plan's estimate for the same step (model/memory_plan.py,
 which train.py prints and checks before its first step), without its fixed CUDA-context allowance since
@@ -150,31 +152,50 @@ def search(name, args, device, limit_bytes):
     return found
 
 
-def timed_row(name, mode, recomputed, batch, eager_peak, args, device):
-    """A compiled (unless --no-compile) timing of this mode at this micro-batch, as a markdown row."""
+def backoff_batches(batch):
+    """The micro-batches a compiled timing tries, largest first: the eager search's maximum, then 3/4 and 1/2
+    of it (a compiled step can need more memory than the eager step the search measured)."""
+    return sorted({batch, -(-3 * batch // 4), -(-batch // 2)}, reverse=True)
+
+
+def compiled_timing(name, mode, batches, args, device):
+    """(micro-batch, bench) of the first of `batches` whose compiled (unless --no-compile) step fits, or
+    (None, None)."""
+    T = model_config(name, args.seq_len, args.override)[1]
+    for batch in batches:
+        torch._dynamo.reset()
+        timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
+        try:
+            bench = prepare(name, timing, device)
+            time_steps(bench, timing, device)
+            return batch, bench
+        except torch.OutOfMemoryError:
+            bench = None
+            torch.cuda.empty_cache()
+    return None, None
+
+
+def timed_row(name, mode, recomputed, batch, eager_peak, args, device, none_tok_s=None):
+    """(markdown row, tokens/s or None): this mode timed at its micro-batch, or a smaller one
+    (backoff_batches) when the compiled step does not fit there; `none_tok_s` gives the 'vs none' cell."""
     config, T = model_config(name, args.seq_len, args.override)
     gib = f"{eager_peak / 2**30:.2f}" if eager_peak else "-"
     row = f"| {name} | {mode} | {recomputed}/{config.n_layer} | {T} | {batch} | {gib} |"
     if batch == 0:
-        return row + " - |" * 7
+        return row + " - |" * 9, None
     eager_vs_plan = versus_plan(eager_peak, planned_bytes(config, T, batch, mode, args, device, compiled=False))
-    torch._dynamo.reset()
-    timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
-    bench = None
-    try:
-        bench = prepare(name, timing, device)
-        time_steps(bench, timing, device)
-    except torch.OutOfMemoryError:
-        bench = None
-    planned = planned_bytes(config, T, batch, mode, args, device, compiled=args.compile)
+    timed_batch, bench = compiled_timing(name, mode, [batch] if args.batch else backoff_batches(batch), args, device)
     if bench is None:
-        torch.cuda.empty_cache()
-        return row + " does not fit compiled | - | - |" + eager_vs_plan + versus_plan(None, planned)
+        planned = planned_bytes(config, T, batch, mode, args, device, compiled=args.compile)
+        return row + " - | does not fit compiled | - | - | - |" + eager_vs_plan + versus_plan(None, planned), None
+    planned = planned_bytes(config, T, timed_batch, mode, args, device, compiled=args.compile)
     tok_s = bench["tok_s"][-1]
+    none_tok_s = tok_s if mode == "none" else none_tok_s
+    versus_none = f"{tok_s / none_tok_s:.2f}x" if none_tok_s else "-"
     mfu = f"{bench['model'].flops_per_token(T) * tok_s / args.peak_flops:.1%}" if device.type == "cuda" else "-"
     peak = f"{bench['peak_GiB']:.2f}" if "peak_GiB" in bench else "-"
-    return (row + f" {tok_s:,.0f} | {mfu} | {peak} |" + eager_vs_plan
-            + versus_plan(bench["peak_GiB"] * 2**30 if "peak_GiB" in bench else None, planned))
+    return (row + f" {timed_batch} | {tok_s:,.0f} | {versus_none} | {mfu} | {peak} |" + eager_vs_plan
+            + versus_plan(bench["peak_GiB"] * 2**30 if "peak_GiB" in bench else None, planned)), tok_s
 
 
 def main():
@@ -227,11 +248,14 @@ def main():
                 torch.cuda.empty_cache()
             timed = "compiled" if args.compile else "eager"
             print("\n| model | activation checkpointing | blocks recomputed | context | micro-batch | "
-                  f"peak GiB (eager) | tokens/s | MFU | peak GiB (timed, {timed}) | plan GiB (eager) | "
-                  f"plan / peak (eager) | plan GiB ({timed}) | plan / peak ({timed}) |\n" + "|---" * 13 + "|",
-                  flush=True)
+                  f"peak GiB (eager) | timed at | tokens/s | vs none | MFU | peak GiB (timed, {timed}) | "
+                  f"plan GiB (eager) | plan / peak (eager) | plan GiB ({timed}) | plan / peak ({timed}) |\n"
+                  + "|---" * 15 + "|", flush=True)
+            none_tok_s = None
             for mode, (recomputed, batch, peak) in found.items():
-                print(timed_row(model, mode, recomputed, batch, peak, args, device), flush=True)
+                row, tok_s = timed_row(model, mode, recomputed, batch, peak, args, device, none_tok_s)
+                none_tok_s = tok_s if mode == "none" else none_tok_s
+                print(row, flush=True)
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             print()

@@ -10,7 +10,7 @@
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
 #   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves of Baseline-XL
 #   bash scripts/gpu_session.sh fsdp                 # 2-4 GPUs: CASTLE-XL, FoX (Pro) 760M under FSDP2 + checkpointing
-#   bash scripts/gpu_session.sh ac                   # 3 GPUs: the checkpointing table (largest micro-batch in 80 GB)
+#   bash scripts/gpu_session.sh ac                   # 4 GPUs: the checkpointing table (largest micro-batch in 80 GB)
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   bash scripts/gpu_session.sh xs                   # tokens/s of the compare_XS variants (SET=ablations), one at a time
@@ -85,9 +85,10 @@ case "${1:-tests}" in
            done ;;
   ac)      N=$(nvidia-smi -L | wc -l)   # one model per GPU, side by side: the largest micro-batch in 80 GB per mode
            i=0
-           for args in "baseline_paper_XL" "fox_pro_760M --max-batch 16" "castle_paper_XL --modes none full"; do
+           for args in "baseline_paper_XL" "fox_pro_760M --max-batch 16" "castle_paper_XL --modes none full" \
+                       "castle_paper_XL --modes selective"; do
              CUDA_VISIBLE_DEVICES=$((i % N)) timeout ${AC_TIMEOUT:-570} python -m scripts.bench_memory --models $args \
-               --steps 3 --warmup 2 --memory-gib 79.1 > "$OUT/ac_${args%% *}.log" 2>&1 &
+               --steps 3 --warmup 2 --memory-gib 79.1 > "$OUT/ac_$i.log" 2>&1 &
              i=$((i + 1))
            done; wait; tail -n 8 "$OUT"/ac_*.log ;;
   window)  timeout ${WINDOW_TIMEOUT:-240} python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py \

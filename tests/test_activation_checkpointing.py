@@ -13,7 +13,7 @@ import train
 from kernels.castle import castle_attn
 from kernels.forgetting import forgetting_attn
 from model.gpt import GPT
-from scripts.bench_memory import cpu_peak_bytes, largest_fitting
+from scripts.bench_memory import backoff_batches, cpu_peak_bytes, largest_fitting
 from test_entry_errors import compose_config
 from test_model import VARIANTS, tiny
 from test_train import TINY, run, train_losses
@@ -293,13 +293,21 @@ def test_memory_benchmark_finds_larger_micro_batches_with_checkpointing():
     proc = run("scripts.bench_memory", ["--device", "cpu", "--models", "tiny", "--seq-len", "64", "--memory-gib",
                                         "0.05", "--override", "model.vocab_size=512", "--max-batch", "64",
                                         "--no-compile", "--steps", "1", "--warmup", "0"])
-    # | model | mode | blocks recomputed | context | micro-batch | peak GiB eager | tokens/s | MFU | peak GiB timed |
+    # | model | mode | blocks recomputed | context | micro-batch | peak GiB eager | timed at | tokens/s | vs none | ...
     rows = {r[1]: r for r in (line.split(" | ") for line in proc.stdout.splitlines()) if r[0] == "| tiny"}
     assert list(rows) == ["none", "selective", "full"], proc.stdout
     assert [rows[m][2] for m in rows] == ["0/4", "2/4", "4/4"]
     batches = [int(rows[m][4]) for m in rows]
     assert 0 < batches[0] < batches[1] < batches[2] < 64, proc.stdout
-    assert all(float(rows[m][5]) <= 0.05 and float(rows[m][6].replace(",", "")) > 0 for m in rows)
+    assert [int(rows[m][6]) for m in rows] == batches            # the eager step fits: timed where found
+    assert all(float(rows[m][5]) <= 0.05 and float(rows[m][7].replace(",", "")) > 0 for m in rows)
+    tok_s = {m: float(rows[m][7].replace(",", "")) for m in rows}
+    assert rows["none"][8] == "1.00x" and rows["full"][8] == f"{tok_s['full'] / tok_s['none']:.2f}x", proc.stdout
+
+
+@pytest.mark.parametrize("batch,expected", [(89, [89, 67, 45]), (16, [16, 12, 8]), (3, [3, 2]), (2, [2, 1]), (1, [1])])
+def test_compiled_timing_backs_off_to_smaller_micro_batches(batch, expected):
+    assert backoff_batches(batch) == expected
 
 
 @pytest.mark.gpu
