@@ -13,7 +13,7 @@
 #   bash scripts/gpu_session.sh ac                   # 4 GPUs: the checkpointing table (largest micro-batch in 80 GB)
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
-#   bash scripts/gpu_session.sh xs                   # tokens/s of the compare_XS variants (SET=ablations), one at a time
+#   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: its GPU tests, eager vs graph vs transformers
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
@@ -102,11 +102,11 @@ case "${1:-tests}" in
            grep -a "^done\|fp8 matmuls" "$OUT"/fp8_*.log; cp /tmp/fp8_false/metrics.jsonl "$OUT/bf16_metrics.jsonl"
            cp /tmp/fp8_true/metrics.jsonl "$OUT/fp8_metrics.jsonl"
            python -m scripts.plot_runs /tmp/fp8_false /tmp/fp8_true --out "$OUT/fp8_vs_bf16.png" ;;
-  xs)      python -m scripts.bench_train --steps 10 --models compare_XS compare_XS:model=fox_pro \
+  xs)      python -m scripts.bench_train --steps 10 --models ${XS_MODELS:-compare_XS compare_XS:model=fox_pro \
              compare_XS:model=fox_pro,model.fgate=bias_only compare_XS:model=fox_pro,model.fgate=fixed,model.fgate_tmin=2,model.fgate_tmax=2048 \
              compare_XS:model.attention_window=256 compare_XS:model=castle \
              compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
-             compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
+             compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS} 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
   decode)  python -m pytest -m gpu -q -rs tests/test_decode_graph.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
            python -m scripts.bench_decode --hf /tmp/hf360 2>&1 | tee "$OUT/bench_decode.log" | tail -14
