@@ -5,10 +5,12 @@ attend_rows, the decode attention over a cache's rows.
 
 A cache made with a process group holds only this rank's positions (round robin, kernels/tree.py's
 RoundRobinRows) and merges its partial attention with the other ranks' by tree attention. A static step
-(InferenceCache.to_static) keeps the position on the device, so a CUDA graph can replay it at every position.
+(InferenceCache.to_static) keeps the position on the device, so a CUDA graph can replay it at every position;
+CASTLE's layers (kernels.castle.CastleCache) take it too.
 """
 import torch
 
+from kernels.castle import CastleCache
 from kernels.forgetting import fgate_cumsum
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias
 
@@ -188,6 +190,10 @@ def attend_rows(q, k, v, c, cache):
     return cache.merged_attention(q, k, v, bias=bias)
 
 
+# the layer caches that take static steps (unsharded)
+STATIC_CACHES = (KVCache, WindowCache, CastleCache)
+
+
 class InferenceCache:
     """Per-layer attention caches for max_len positions plus the number of positions already processed.
 
@@ -205,13 +211,18 @@ class InferenceCache:
         self.position = None
 
     def to_static(self):
-        """Continue with static steps from position `pos` (unsharded KVCache / WindowCache layers only)."""
-        if not all(isinstance(layer, (KVCache, WindowCache)) and layer.group is None for layer in self.layers):
-            raise ValueError("static (CUDA-graph) decoding takes unsharded softmax caches only (KVCache and "
-                             "WindowCache layers: model.attention baseline or fox, without a process group)")
+        """Continue with static steps from position `pos` (unsharded KVCache, WindowCache and CastleCache
+        layers only; a CastleCache first rearranges its buffers, CastleCache.to_static)."""
+        if not all(isinstance(layer, STATIC_CACHES) and layer.group is None for layer in self.layers):
+            raise ValueError("static (CUDA-graph) decoding takes unsharded softmax and CASTLE caches only (KVCache, "
+                             "WindowCache and CastleCache layers: model.attention baseline, fox, castle or "
+                             "castle_swl, without a process group)")
         self.position = torch.tensor([self.pos], device=self.layers[0].device)
         for layer in self.layers:
-            layer.position = self.position
+            if isinstance(layer, CastleCache):
+                layer.to_static(self.position)
+            else:
+                layer.position = self.position
 
     def advance(self, T):
         if self.position is not None:

@@ -546,9 +546,8 @@ def keys_per_query(seq_len, window=None):
 
 register_attention("baseline")(lambda config: SoftmaxAttention(config, forget_gate=False))
 register_attention("fox")(lambda config: SoftmaxAttention(config, forget_gate=True))
-# SoftmaxAttention's variants: they take model.attention_window, and their caches (model/cache.py) take the static
-# steps of CUDA-graph decoding
-WINDOWED_ATTENTIONS = GRAPH_DECODE_ATTENTIONS = ("baseline", "fox")
+# SoftmaxAttention's variants: they take model.attention_window
+WINDOWED_ATTENTIONS = ("baseline", "fox")
 
 
 class CastleAttention(nn.Module):
@@ -579,9 +578,9 @@ class CastleAttention(nn.Module):
             vu = apply_rope(vu, rope)
         if cache is None:
             y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window, silu=self.silu)
-        elif cache.length == 0 and cache.group is None:   # a prompt: one pass (a sharded cache steps through it)
-            y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)
-        else:                                # one position at a time through the UQ-KV cache
+        elif cache.length == 0 and cache.group is None and cache.position is None:
+            y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)    # a prompt: one pass (not sharded)
+        else:       # one position at a time through the UQ-KV cache (a static step: its one position)
             xs = (qc, kc, vc, qu, ku, vu)
             y = torch.cat([castle_decode(cache, *(z if z is None else z[:, :, t:t + 1] for z in xs))[0]
                            for t in range(x.size(1))], dim=2)
@@ -603,6 +602,8 @@ class CastleAttention(nn.Module):
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
+# the variants whose caches (model/cache.py STATIC_CACHES) take the static steps of CUDA-graph decoding
+GRAPH_DECODE_ATTENTIONS = WINDOWED_ATTENTIONS + ("castle", "castle_swl")
 for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
     register_attention(_name)(_layer)
 
@@ -803,7 +804,8 @@ class GPT(nn.Module):
         same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
-        (GraphedDecodeStep); CUDA, one device, with the cache, GRAPH_DECODE_ATTENTIONS only.
+        (GraphedDecodeStep); CUDA, one device, with the cache, GRAPH_DECODE_ATTENTIONS only (CASTLE's
+        ablations included).
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:
@@ -851,8 +853,8 @@ class GPT(nn.Module):
     def check_cuda_graph(self, idx, use_cache, group):
         """Raise a ValueError naming what keeps cuda_graph=True from decoding this model this way."""
         if self.config.attention not in GRAPH_DECODE_ATTENTIONS:
-            raise ValueError(f"cuda_graph=True decodes model.attention in {GRAPH_DECODE_ATTENTIONS} (with or without "
-                             f"attention_window), not {self.config.attention!r}: decode it without cuda_graph")
+            raise ValueError(f"cuda_graph=True decodes model.attention in {GRAPH_DECODE_ATTENTIONS} (windowed or "
+                             f"not), not {self.config.attention!r}: decode it without cuda_graph")
         if not use_cache:
             raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
         if group is not None:

@@ -8,13 +8,16 @@ import pytest
 import torch
 
 import sample
+from kernels.castle import CastleCache, castle_decode, castle_prefill
+from model.cache import WindowCache
 from model.gpt import GPT, GRAPH_DECODE_ATTENTIONS
 from model.sampling import GraphedDecodeStep
 from tests.test_entry_errors import compose_config, error_of
 from tests.test_model import GPT2, LLAMA, PRO, tiny
 
 NOPOS = {**LLAMA, "pos": "none"}
-# every variant whose caches take static steps: softmax attention, LLaMA / GPT-2 / Pro blocks, FoX, windows
+# every variant whose caches take static steps: softmax attention, LLaMA / GPT-2 / Pro blocks, FoX, windows;
+# CASTLE, CASTLE-SWL (a window shorter than the tokens decoded, so that it slides) and the ablations
 GRAPH_VARIANTS = {
     "llama": dict(attention="baseline", **LLAMA),
     "gpt2": dict(attention="baseline", **GPT2),
@@ -23,33 +26,54 @@ GRAPH_VARIANTS = {
     "fox_pro": dict(attention="fox", **NOPOS, **PRO),
     "transformer_swa": dict(attention="baseline", attention_window=5, **LLAMA),
     "fox_pro_swa": dict(attention="fox", attention_window=5, **NOPOS, **PRO),
+    "castle": dict(attention="castle", **LLAMA),
+    "castle_swl": dict(attention="castle_swl", castle_window=3, **LLAMA),
+    "castle_swl_no_causal_keys": dict(attention="castle_swl", castle_window=4, castle_causal_keys=False, **LLAMA),
+    "castle_no_silu_rope_qkv": dict(attention="castle", castle_silu=False, castle_rope="qkv", **LLAMA),
 }
 GRAPH_CONFIGS = [pytest.param(kw, id=name) for name, kw in GRAPH_VARIANTS.items()]
 # FoX's gate bias goes through tree attention in fp32 (kernels.tree.fox_bias), as in sharded decoding;
 # everything else of the static step is computed in the model's precision
-FP64_ATOL = {"baseline": 1e-12, "fox": 1e-6}
+FP64_ATOL = {"baseline": 1e-12, "fox": 1e-6, "castle": 1e-12, "castle_swl": 1e-12}
 
 
 def model_of(kw, dtype=torch.float64, device="cpu", **size):
     return GPT(tiny(**{**kw, **size})).to(device=device, dtype=dtype).eval()
 
 
+def unwritten_buffers(layer):
+    """The buffers of a layer cache whose rows past its length hold no position yet (a window's ring marks
+    its empty rows by position -1 instead; CASTLE's static Q^U ring holds position j at row j % its rows)."""
+    if isinstance(layer, WindowCache):
+        return ()
+    if isinstance(layer, CastleCache):
+        return layer.u_buf, layer.qu_buf, layer.kc_buf, layer.vc_buf
+    return layer.k, layer.v, getattr(layer, "log_fgate_cumsum", None)
+
+
+def fill_unwritten_rows(cache, values, kind=object):
+    """Every unwritten row of the layer caches of type `kind` <- values(rows)."""
+    for layer in cache.layers:
+        if isinstance(layer, kind):
+            for buf in unwritten_buffers(layer):
+                if buf is not None:
+                    buf[:, :, layer.length:] = values(buf[:, :, layer.length:])
+
+
 @torch.no_grad()
 def decode_logits(model, prompt, tokens, static, garbage=False):
     """Logits of the prompt's last position, then of each of `tokens` (B, n) fed one at a time: dynamic
-    cached steps, or static ones after a dynamic prefill. garbage: first fill every cache row the prefill
-    left unwritten with large random values, which the static step's mask must hide."""
+    cached steps, or static ones after a dynamic prefill. garbage: once static, fill every cache row the
+    prefill left unwritten with large random values, which the static step's mask must hide."""
     B, n = tokens.shape
     cache = model.new_cache(B, prompt.size(1) + n + 3)     # spare rows: the static step reads them all
     logits = [model(prompt, cache=cache, last_only=True)[0]]
     if static:
-        if garbage:
-            for layer in cache.layers:
-                if not hasattr(layer, "window"):    # a window's ring marks its empty rows by position -1
-                    for buf in (layer.k, layer.v, getattr(layer, "log_fgate_cumsum", None)):
-                        if buf is not None:
-                            buf[:, :, layer.length:] = 100 * torch.randn_like(buf[:, :, layer.length:])
+        # CASTLE's buffers start uninitialised (torch.empty, any bits, NaN at worst): to_static clears them
+        fill_unwritten_rows(cache, lambda x: torch.full_like(x, float("nan")), CastleCache)
         cache.to_static()
+        if garbage:
+            fill_unwritten_rows(cache, lambda x: 100 * torch.randn_like(x))
     logits += [model(tokens[:, t:t + 1], cache=cache)[0] for t in range(n)]
     return torch.cat(logits, dim=1), cache
 
@@ -96,6 +120,10 @@ def test_static_greedy_generation_equals_dynamic(kw):
     assert torch.equal(static_greedy(model, prompt, 24), model.generate(prompt, 24, temperature=0))
 
 
+def python_state_of(layer):
+    return {name: x for name, x in vars(layer).items() if not isinstance(x, torch.Tensor)}
+
+
 def tensors_of(cache):
     return {(i, name): x for i, layer in enumerate(cache.layers) for name, x in vars(layer).items()
             if isinstance(x, torch.Tensor)}
@@ -104,7 +132,8 @@ def tensors_of(cache):
 @pytest.mark.parametrize("kw", GRAPH_CONFIGS)
 def test_static_steps_keep_their_buffers_and_python_state(kw):
     """What a captured graph relies on: a static step writes the cache in place (same tensors, same storage),
-    changes no Python state, reads RoPE tables that are not regrown, and advances the device position."""
+    changes no Python state (no attribute of a layer cache but its tensors' contents), reads RoPE tables
+    that are not regrown, and advances the device position."""
     model = model_of(kw, torch.float32)
     prompt = torch.randint(0, 97, (2, 4))
     cache = model.new_cache(2, 12)
@@ -112,7 +141,7 @@ def test_static_steps_keep_their_buffers_and_python_state(kw):
     cache.to_static()
     model(prompt[:, :1], cache=cache)                       # the first step may build the RoPE tables
     before = {key: (x, x.data_ptr()) for key, x in tensors_of(cache).items()}
-    python_state = [(layer.length, layer.group) for layer in cache.layers], cache.pos
+    python_state = [python_state_of(layer) for layer in cache.layers], cache.pos
     rope = model._rope_cos
     for t in range(5):
         model(prompt[:, t % 4:t % 4 + 1], cache=cache)
@@ -120,9 +149,32 @@ def test_static_steps_keep_their_buffers_and_python_state(kw):
     assert after.keys() == before.keys()
     for key, (x, ptr) in before.items():
         assert after[key] is x and x.data_ptr() == ptr, key
-    assert ([(layer.length, layer.group) for layer in cache.layers], cache.pos) == python_state == ([(4, None)] * 2, 4)
+    assert ([python_state_of(layer) for layer in cache.layers], cache.pos) == python_state
+    assert [(layer.length, layer.group) for layer in cache.layers] == [(4, None)] * 2 and cache.pos == 4
     assert model._rope_cos is rope
     assert cache.position.tolist() == [10] and all(layer.position is cache.position for layer in cache.layers)
+
+
+@pytest.mark.parametrize("window", [None, 0, 2, 40])
+@torch.no_grad()
+def test_static_castle_cache_equals_dynamic(window):
+    """castle_decode over a CastleCache turned static (the position a device tensor) equals dynamic decoding
+    (fp64), also for the windows no model makes: W = 0 (no Q^U kept) and W above the capacity (the Q^U ring
+    spans the cache); U, K^C, V^C end equal to the dynamic cache's. The fused kernel refuses a static cache."""
+    B, H, L, D, P = 2, 3, 12, 4, 5
+    xs = [torch.randn(B, H, L, D, dtype=torch.float64) for _ in range(6)]
+    dynamic, static = (castle_prefill(*[x[..., :P, :] for x in xs], window=window, max_len=L)[1] for _ in range(2))
+    position = torch.tensor([P])
+    static.to_static(position)
+    for t in range(P, L):
+        one = [x[..., t:t + 1, :] for x in xs]
+        torch.testing.assert_close(castle_decode(static, *one)[0], castle_decode(dynamic, *one)[0], rtol=0, atol=1e-13)
+        position += 1
+    assert static.length == P and dynamic.length == L == static.capacity
+    for name in ("u", "kc", "vc"):
+        torch.testing.assert_close(getattr(static, name), getattr(dynamic, name), rtol=0, atol=1e-13)
+    with pytest.raises(ValueError, match="static cache decodes with impl='torch'"):
+        castle_decode(static, *one, impl="triton")
 
 
 def test_static_step_takes_one_token():
@@ -141,15 +193,17 @@ def test_static_learned_positions_check_the_whole_cache():
         model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
 
 
-@pytest.mark.parametrize("attention", ["castle", "castle_swl"])
-def test_other_variants_refuse_cuda_graph(attention):
-    model = GPT(tiny(attention=attention, castle_window=3, **LLAMA)).eval()
+def test_recurrent_models_refuse_cuda_graph():
+    """Every attention but the recurrent baselines takes cuda_graph=True; a recurrent model is refused by
+    name, and its cache refuses static steps."""
+    model = GPT(tiny(attention="hgrn2", **NOPOS)).eval()
     prompt = torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"cuda_graph=True decodes model.attention in \('baseline', 'fox'\)"):
+    with pytest.raises(ValueError, match=r"cuda_graph=True decodes model.attention in \('baseline', 'fox', "
+                                         r"'castle', 'castle_swl'\) \(windowed or not\), not 'hgrn2'"):
         model.generate(prompt, 4, cuda_graph=True)
     with pytest.raises(ValueError, match="static"):
         model.new_cache(1, 8).to_static()
-    assert attention not in GRAPH_DECODE_ATTENTIONS
+    assert set(GRAPH_DECODE_ATTENTIONS) == {kw["attention"] for kw in GRAPH_VARIANTS.values()}
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -9,7 +9,8 @@ decode kernels. CASTLE (arXiv:2509.07301) §2.4 and Appendix 9: eq (13) updates 
 A cache made with a process group holds only this rank's positions (round robin, RoundRobinRows); every
 rank runs the same tokens, and a decode step merges the ranks' partial attention exactly by tree attention
 (kernels/tree.py). Without a group it holds every position, and a step runs in PyTorch ops or as one
-Triton kernel.
+Triton kernel. An unsharded cache can also take static steps (CastleCache.to_static), the ones a CUDA graph
+replays: the position lives on the device and a step runs in PyTorch ops over the whole preallocated buffers.
 
 The ablations of arXiv:2509.07301 §5.2 (reference.lookahead_logit) are properties of the cache: one made with
 causal_keys=False holds no K^C (a UQ-V cache; prefill and decode then take kc=None), one made with
@@ -57,6 +58,11 @@ class CastleCache(RoundRobinRows):
             rows, CASTLE's grows like the others.
     length: positions of all ranks; window, scale: CASTLE-SWL's W (None: CASTLE) and the logit scale;
     causal_keys, silu: False for the ablations (module docstring).
+
+    Static steps (`position` set: to_static) keep every buffer and all Python state: the new position is the
+    device tensor `position`, U, K^C, V^C row j holds position j, Q^U is a ring (position j at row j % its
+    rows) and a step reads every row, masking those past the position; `length`, qu_end and the views keep
+    describing the cache as to_static found it.
     """
 
     def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
@@ -72,6 +78,7 @@ class CastleCache(RoundRobinRows):
         self.qu_end = 0
         self.window = window
         self.scale = head_dim ** -0.5 if scale is None else float(scale)
+        self.position = None
 
     @property
     def capacity(self):
@@ -91,16 +98,21 @@ class CastleCache(RoundRobinRows):
         return self.rows_before(t) - self.rows_before(t - self.owners(t))
 
     @property
+    def rows(self):
+        """Local rows a step reads: the filled ones, or in a static step every row."""
+        return self.n_local if self.position is None else self.capacity
+
+    @property
     def u(self):
-        return self.u_buf[..., : self.n_local, :]
+        return self.u_buf[..., : self.rows, :]
 
     @property
     def kc(self):
-        return self.kc_buf[..., : self.n_local, :] if self.causal_keys else None
+        return self.kc_buf[..., : self.rows, :] if self.causal_keys else None
 
     @property
     def vc(self):
-        return self.vc_buf[..., : self.n_local, :]
+        return self.vc_buf[..., : self.rows, :]
 
     @property
     def qu(self):
@@ -145,20 +157,65 @@ class CastleCache(RoundRobinRows):
             self.qu_buf[..., end: end + 1, :] = qu
         self.qu_end = end + 1
 
+    def to_static(self, position):
+        """Continue with static steps (class docstring) from the device-held position, a (1,) long tensor
+        that the caller advances after each step and keeps below the capacity. Unsharded caches only. Q^U
+        moves into its ring and the unwritten rows are zeroed: a masked row must hold finite values, for
+        the step reads it (its zero softmax weight times a NaN value would still be NaN)."""
+        if self.group is not None:
+            raise ValueError("static (CUDA-graph) decoding takes an unsharded CASTLE cache (made without a "
+                             "process group)")
+        t = self.length                                                # = n_local: row j is position j
+        held = self.qu                                                 # positions t - len(held) .. t - 1
+        R = self.capacity if self.window is None else min(self.window, self.capacity)   # owners a token reaches
+        ring = self.qu_buf.new_zeros(*self.qu_buf.shape[:2], R, self.qu_buf.shape[-1])
+        if R:
+            ring.index_copy_(2, torch.arange(t - held.shape[-2], t, device=self.device) % R, held)
+        self.qu_buf = ring
+        for buf in (self.u_buf, self.kc_buf, self.vc_buf):
+            if buf is not None:
+                buf[..., t:, :].zero_()
+        self.position = position
+
+    def _lookahead_weights(self, qu, ku):
+        """sigmoid(s q^U_j . k^U_t) of eq (13) for the owners' q^U (B, H, n, D): (B, H, n, 1) in U's dtype."""
+        return torch.sigmoid(self.scale * (qu @ ku.mT).to(self.u_buf.dtype))
+
     def add_lookahead(self, ku, vu):
-        """Eq (13): the new token (k^U, v^U of position `length`, (B, H, 1, D)) joins the lookahead key of
-        every owner it reaches that is held here: u_j += sigmoid(s q^U_j . k^U_t) v^U_t. In place."""
+        """Eq (13): the new token (k^U, v^U of position `length`, or `position` in a static step, (B, H, 1, D))
+        joins the lookahead key of every owner it reaches that is held here: u_j += sigmoid(s q^U_j . k^U_t)
+        v^U_t. In place."""
+        if self.position is not None:
+            return self._add_lookahead_static(ku, vu)
         owners = self.qu
         n = owners.shape[-2]
         if n:
-            cdt, end = self.u_buf.dtype, self.n_local
-            w = torch.sigmoid(self.scale * (owners @ ku.mT).to(cdt))                # (B, H, n, 1)
-            self.u_buf[..., end - n: end, :].addcmul_(w, vu.to(cdt))
+            end = self.n_local
+            self.u_buf[..., end - n: end, :].addcmul_(self._lookahead_weights(owners, ku), vu.to(self.u_buf.dtype))
+
+    def _add_lookahead_static(self, ku, vu):
+        """add_lookahead at the device-held position t, over the whole Q^U ring of R rows: row r holds the
+        newest position p_r < t with p_r = r mod R, and t - R <= p_r, so every owner of t is there (SWL:
+        R = W; CASTLE: R = capacity, p_r = r). The rows with p_r < 0 hold no position yet: their terms go to
+        U rows at or past t (CASTLE: row r; SWL: p_r mod capacity, distinct rows), which no step reads
+        unmasked before append zeroes them (u_t = 0), so they need no mask."""
+        R = self.qu_buf.shape[-2]
+        if not R:                                                      # SWL with W = 0: no owners
+            return
+        w, vu = self._lookahead_weights(self.qu_buf, ku), vu.to(self.u_buf.dtype)      # (B, H, R, 1)
+        if R == self.capacity:                                         # ring row r is U row r
+            self.u_buf.addcmul_(w, vu)
+        else:
+            last = self.position - 1
+            p = last - (last - torch.arange(R, device=self.device)) % R
+            self.u_buf.index_add_(2, p % self.capacity, w * vu)
 
     def append(self, qu, kc, vc):
         """Store position `length` on the rank that holds it: u = 0 (eq (13)), and q^U, k^C, v^C given as
         (B, H, 1, D) (kc None without causal keys); every rank counts it. Call after add_lookahead (which
-        reads the owners' Q^U)."""
+        reads the owners' Q^U). A static step stores the position `position` (and counts nothing)."""
+        if self.position is not None:
+            return self._append_static(qu, kc, vc)
         t = self.length
         if self.owns(t):
             row = self.n_local
@@ -170,10 +227,26 @@ class CastleCache(RoundRobinRows):
             self.push_qu(qu, written=False)
         self.length = t + 1
 
+    def _append_static(self, qu, kc, vc):
+        """append at the device-held position: its U row zeroed, K^C, V^C at its row, q^U at its ring row
+        (over the position t - R whose lookahead key t was the last token to reach)."""
+        t = self.position
+        self.u_buf.index_fill_(2, t, 0)
+        for buf, x in ((self.kc_buf, kc), (self.vc_buf, vc)):
+            if buf is not None:
+                buf.index_copy_(2, t, x.to(buf.dtype))
+        R = self.qu_buf.shape[-2]
+        if R:
+            self.qu_buf.index_copy_(2, t % R, qu.to(self.qu_buf.dtype))
+
     def lookahead_bias(self, qc):
-        """The lookahead part of the logits of query q^C (B, H, 1, D) for every cached position held here,
-        -SiLU(s q^C . u_j) (eqs (6), (7); -s q^C . u_j without the gate): (B, H, 1, n_local) in U's dtype."""
-        return lookahead_logit(self.scale * (qc.to(self.u_buf.dtype) @ self.u.mT), self.silu)
+        """The lookahead part of the logits of query q^C (B, H, 1, D) for every row a step reads (`rows`),
+        -SiLU(s q^C . u_j) (eqs (6), (7); -s q^C . u_j without the gate): (B, H, 1, rows) in U's dtype. In a
+        static step the rows past the position are masked (-inf)."""
+        bias = lookahead_logit(self.scale * (qc.to(self.u_buf.dtype) @ self.u.mT), self.silu)
+        if self.position is not None:
+            bias = bias.masked_fill(torch.arange(self.capacity, device=self.device) > self.position, float("-inf"))
+        return bias
 
     def extend(self, u, qu, kc, vc):
         """Append positions length .. length + T - 1 given as whole (B, H, T, D) tensors; the rank keeps
@@ -252,7 +325,9 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     operands; "torch" in PyTorch ops, the causal part through SDPA with the per-key bias -SiLU(s q^C u_j^T)
     (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul); with a
     process group, tree attention over the ranks' rows with that bias in fp32 (torch only); "auto" takes
-    "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded."""
+    "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded
+    or static. A static cache (CastleCache.to_static) takes the torch step over its whole buffers, the
+    rows past the device-held position masked."""
     check_inputs(qc, kc, vc, qu, ku, vu, cache.window)
     _check_variant(cache, kc)
     if qc.shape[-2] != 1:
@@ -268,7 +343,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     if impl == "auto":
         tracked = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
         fused = qc.is_cuda and triton is not None and qc.dtype != torch.float64 and not tracked
-        impl = "triton" if fused and cache.world == 1 else "torch"
+        impl = "triton" if fused and cache.world == 1 and cache.position is None else "torch"
     if impl == "triton":
         return _decode_triton(cache, qc, kc, vc, qu, ku, vu), cache
     cache.add_lookahead(ku, vu)                                              # eq (13)
@@ -424,9 +499,9 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax) and
     the combine; the cache's bookkeeping stays on the host."""
     require_triton("castle_decode(impl='triton')", "use impl='torch'")
-    if cache.world > 1:
-        raise ValueError("castle_decode(impl='triton') takes a cache without a process group; a sharded cache "
-                         "decodes with impl='torch' (or 'auto')")
+    if cache.world > 1 or cache.position is not None:
+        raise ValueError("castle_decode(impl='triton') takes a cache without a process group and without static "
+                         "steps; a sharded or static cache decodes with impl='torch' (or 'auto')")
     if qc.dtype == torch.float64:
         raise ValueError("castle_decode(impl='triton') computes in fp32; for fp64 inputs use impl='torch'")
     cache.reserve(cache.length + 1)
