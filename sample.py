@@ -11,7 +11,8 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 
 cuda_graph=true (one GPU; every attention but the recurrent ones): after the prompt, every token is one replay of a
-CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches.
+CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
+torch.compiles the step first (fewer, fused kernels; compiling takes a minute).
 """
 import os
 import sys
@@ -23,6 +24,7 @@ from omegaconf import OmegaConf
 from data.tokenizer import tokenizer_for
 from evaluation.samples import stream_text
 from model.checkpoint import load_model
+from model.gpt import CUDA_GRAPH_MODES
 from model.runtime import (DEVICE, Dist, Rule, boolean, check_options, entry_point, integer, number, one_of,
                            optional, text)
 
@@ -31,7 +33,8 @@ OPTIONS = {"ckpt": text(), "prompt": text(nonempty=False), "bos": boolean(), "ma
            "num_samples": integer(1), "temperature": number(0), "seed": integer(0),
            "top_k": Rule(TOP_K.ok, TOP_K.expected + " (null or 0: no top-k filtering)"),
            "top_p": optional(number(above=0, high=1)), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"),
-           "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1), "cuda_graph": boolean()}
+           "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1),
+           "cuda_graph": one_of(*CUDA_GRAPH_MODES)}
 
 
 def check_sample_options(cfg):

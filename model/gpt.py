@@ -604,6 +604,7 @@ register_attention("castle")(lambda config: CastleAttention(config, window=None)
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
 # the variants whose caches (model/cache.py STATIC_CACHES) take the static steps of CUDA-graph decoding
 GRAPH_DECODE_ATTENTIONS = WINDOWED_ATTENTIONS + ("castle", "castle_swl")
+CUDA_GRAPH_MODES = (False, True, "compiled")   # generate's cuda_graph: off, the eager step captured, the compiled one
 for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
     register_attention(_name)(_layer)
 
@@ -805,11 +806,11 @@ class GPT(nn.Module):
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep); CUDA, one device, with the cache, GRAPH_DECODE_ATTENTIONS only (CASTLE's
-        ablations included).
+        ablations included). "compiled": the step is torch.compile'd before it is captured.
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:
-            self.check_cuda_graph(idx, use_cache, group)
+            self.check_cuda_graph(cuda_graph, idx, use_cache, group)
         B, T0 = idx.shape
         if self.wpe is not None and T0 + max_new_tokens > self.config.block_size and use_cache:
             raise ValueError(f"prompt ({T0}) + max_new_tokens ({max_new_tokens}) exceeds block_size="
@@ -829,7 +830,7 @@ class GPT(nn.Module):
                 for piece in step_input.split(chunk, dim=1):
                     logits, _ = self(piece, cache=cache, last_only=True)
                 if cuda_graph:
-                    graphed = GraphedDecodeStep(self, cache, B)
+                    graphed = GraphedDecodeStep(self, cache, B, compile=cuda_graph == "compiled")
             token = sample_token(logits[:, -1, :n_tokens].float(), temperature, top_k, top_p)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
@@ -850,8 +851,10 @@ class GPT(nn.Module):
                                         use_cache, group, prefill_chunk, cuda_graph))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
-    def check_cuda_graph(self, idx, use_cache, group):
-        """Raise a ValueError naming what keeps cuda_graph=True from decoding this model this way."""
+    def check_cuda_graph(self, cuda_graph, idx, use_cache, group):
+        """Raise a ValueError naming what keeps cuda_graph (True or "compiled") from decoding this model this way."""
+        if cuda_graph not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graph takes one of {CUDA_GRAPH_MODES}, not {cuda_graph!r}")
         if self.config.attention not in GRAPH_DECODE_ATTENTIONS:
             raise ValueError(f"cuda_graph=True decodes model.attention in {GRAPH_DECODE_ATTENTIONS} (windowed or "
                              f"not), not {self.config.attention!r}: decode it without cuda_graph")

@@ -2,7 +2,7 @@
 against the memory-bandwidth bound and, optionally, transformers' generate on the same weights.
 
     python -m scripts.bench_decode                                   # transformer_llama_360M, batch 1 16, ctx 4K 32K
-    python -m scripts.bench_decode --model fox_pro_360M --batch 1 --ctx 4096
+    python -m scripts.bench_decode --model fox_pro_360M --batch 1 --ctx 4096 --compiled   # + the compiled step
     python -m scripts.bench_decode --export-hf hf/llama360M-random   # write the random model for transformers
     python -m scripts.bench_decode --hf hf/llama360M-random          # both sides load this directory's weights
     python -m scripts.bench_decode --device cpu --model tiny --ctx 64 --n 4 --batch 1   # smoke test
@@ -10,8 +10,8 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
 with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
 ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
-greedily: GPT.generate_stream without and with cuda_graph, transformers' generate (max_new_tokens = min_new_tokens
-= n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
+greedily: GPT.generate_stream without and with cuda_graph (--compiled: also cuda_graph="compiled"), transformers'
+generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
 first few steps (a graph's warm-up steps and capture; transformers' compilation), each token waited for on the
 host as sample.py's printing does; tokens/s = B / that.
 
@@ -50,6 +50,8 @@ def parse(argv=None):
                    "generate on it, and load its weights into our model too")
     p.add_argument("--export-hf", default=None, metavar="DIR", help="write the random model as a transformers "
                    "directory DIR (bf16) and exit")
+    p.add_argument("--compiled", action="store_true", help="also time cuda_graph='compiled' (the step "
+                   "torch.compile'd, then captured; compiling takes a minute per batch and context)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.n < 2:
@@ -177,7 +179,8 @@ def main(argv=None):
             prompt = torch.randint(0, n_tokens, (B, ctx - args.n), device=device)
             runs = [("eager", lambda: time_ours(model, prompt, args.n, False, args.prefill_chunk))]
             if graph:
-                runs.append(("cuda_graph", lambda: time_ours(model, prompt, args.n, True, args.prefill_chunk)))
+                runs += [(f"cuda_graph={mode}", lambda mode=mode: time_ours(model, prompt, args.n, mode, args.prefill_chunk))
+                         for mode in (True, "compiled")[:1 + args.compiled]]
             if hf_model is not None:
                 runs += [(f"transformers {impl} cache", lambda impl=impl: time_hf(hf_model, prompt, args.n, impl))
                          for impl in ("dynamic", "static")]

@@ -32,6 +32,7 @@ GRAPH_VARIANTS = {
     "castle_no_silu_rope_qkv": dict(attention="castle", castle_silu=False, castle_rope="qkv", **LLAMA),
 }
 GRAPH_CONFIGS = [pytest.param(kw, id=name) for name, kw in GRAPH_VARIANTS.items()]
+COMPILED_CONFIGS = [pytest.param(GRAPH_VARIANTS[name], id=name) for name in ("llama", "fox_pro", "castle")]
 # FoX's gate bias goes through tree attention in fp32 (kernels.tree.fox_bias), as in sharded decoding;
 # everything else of the static step is computed in the model's precision
 FP64_ATOL = {"baseline": 1e-12, "fox": 1e-6, "castle": 1e-12, "castle_swl": 1e-12}
@@ -217,6 +218,34 @@ def test_cuda_graph_option_errors_are_named(kwargs, match):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph=True, **kwargs)
 
 
+def test_cuda_graph_mode_is_checked():
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
+    with pytest.raises(ValueError, match=r"cuda_graph takes one of \(False, True, 'compiled'\), not 'fast'"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph="fast")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kw", COMPILED_CONFIGS)
+@torch.no_grad()
+def test_compiled_static_step_equals_eager(kw):
+    """What cuda_graph="compiled" captures: the static step through torch.compile (Inductor, CPU here) gives the
+    eager static step's logits and writes the same cache (fp32), at every position with one compilation."""
+    model = model_of(kw, torch.float32)
+    prompt, tokens = torch.randint(0, 97, (2, 5)), torch.randint(0, 97, (2, 4))
+    caches = [model.new_cache(2, 12) for _ in range(2)]
+    for cache in caches:
+        model(prompt, cache=cache)
+        cache.to_static()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, dynamic=False)
+    for t in range(tokens.size(1)):
+        torch.testing.assert_close(compiled(tokens[:, t:t + 1], cache=caches[0])[0],
+                                   model(tokens[:, t:t + 1], cache=caches[1])[0], rtol=1e-5, atol=1e-5)
+    for (key, x), y in zip(tensors_of(caches[0]).items(), tensors_of(caches[1]).values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5, equal_nan=True, msg=str(key))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1
+
+
 def test_cuda_graph_refuses_training_mode():
     model = model_of(GRAPH_VARIANTS["llama"], torch.float32).train()
     with pytest.raises(ValueError, match="eval"):
@@ -227,6 +256,7 @@ def test_cuda_graph_refuses_training_mode():
     (["cuda_graph=true", "sharded=true"], "does not combine with sharded=true"),
     (["cuda_graph=true", "device=cpu"], "cuda_graph=true needs a CUDA device"),
     (["cuda_graph=yes"], "cuda_graph"),
+    (["cuda_graph=compiled", "device=cpu"], "needs a CUDA device"),
 ])
 def test_sample_cuda_graph_option_errors(overrides, expected):
     assert expected in error_of(sample.check_sample_options, compose_config("sample", ["ckpt=x", *overrides]))
@@ -300,6 +330,17 @@ def test_graph_greedy_tokens_equal(kw):
     model = model_of(kw, torch.bfloat16, "cuda", **GPU_SIZE)
     with torch.no_grad():
         assert torch.equal(model.generate(prompt, 32, temperature=0, cuda_graph=True), static_greedy(model, prompt, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", COMPILED_CONFIGS)
+def test_compiled_graph_greedy_tokens_equal(kw):
+    """cuda_graph="compiled": 32 greedy tokens in fp32 equal the dynamic path's."""
+    prompt = torch.randint(0, 97, (2, 11), device="cuda")
+    model = model_of(kw, torch.float32, "cuda", **GPU_SIZE)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(prompt, 32, temperature=0, cuda_graph="compiled"),
+                       model.generate(prompt, 32, temperature=0))
 
 
 @pytest.mark.gpu
