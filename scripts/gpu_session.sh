@@ -109,8 +109,10 @@ case "${1:-tests}" in
              compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS} 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
   decode)  python -m pytest -m gpu -q -rs tests/test_decode_graph.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
-           python -m scripts.bench_decode --hf /tmp/hf360 2>&1 | tee "$OUT/bench_decode.log" | tail -14
-           python -m scripts.bench_decode --model fox_pro_360M --batch 1 2>&1 | tee -a "$OUT/bench_decode.log" | tail -6 ;;
+           python -m scripts.bench_decode --hf /tmp/hf360 --compiled 2>&1 | tee "$OUT/bench_decode.log" | tail -18
+           for m in fox_pro_360M castle_paper_M; do
+             python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled 2>&1 | tee -a "$OUT/bench_decode.log" | tail -5
+           done ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
   *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | memory | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | compare"; exit 2 ;;
