@@ -23,9 +23,10 @@ model for --steps steps, every other round in reverse order, so that clock and t
 alike. Rows give the median tokens/s over the rounds and their range, and each model's tokens/s relative to
 the first model, round by round (median and range). Peak memory then includes the other resident models.
 
---fused runs every model once per spec of the fused kernels (GPTConfig.fused_*; rows "MODEL +SPEC"): "none", "all"
-(loss=chunked,norm,swiglu=triton) or a comma list of loss=chunked|liger, norm, swiglu=packed|triton (swiglu alone:
-triton). --plain PATH first runs that yardstick script (a plain PyTorch LLaMA, plain_llama_step.py) in a
+--fused runs every model once per spec of the fused kernels (GPTConfig.fused_*; rows "MODEL +SPEC"): "default" (the
+config's own settings: fused_loss=auto), "none", "all" (loss=chunked,norm,swiglu=triton) or a comma list of
+loss=chunked|liger, norm, swiglu=packed|triton (swiglu alone: triton); a spec other than default turns on only its
+items (model.fused_loss=none unless it names loss). --plain PATH first runs that yardstick script (a plain PyTorch LLaMA, plain_llama_step.py) in a
 subprocess at each distinct shape of the models (layers, width, width / head_dim heads, vocabulary, context,
 micro-batch), prints its rows, and adds each model's tokens/s relative to the yardstick of its shape; with
 --rounds > 1 the yardstick runs again after the models, and the ratio takes the mean of its two runs.
@@ -78,19 +79,21 @@ FUSED_ITEMS = {"loss": ("fused_loss", LOSS_IMPLS[1:]), "norm": ("fused_norm", ("
 
 
 def fused_overrides(spec):
-    """The model overrides of a --fused spec (see the module docstring); ValueError on an unknown item."""
-    if spec == "none":
+    """The model overrides of a --fused spec (see the module docstring): none for "default", else every
+    fused kernel off (model.fused_loss=none, not the default auto) but the spec's items; ValueError on an
+    unknown item."""
+    if spec == "default":
         return []
-    overrides = []
-    for item in (FUSED_ALL if spec == "all" else spec).split(","):
+    chosen = {"fused_loss": "none"}
+    for item in ([] if spec == "none" else (FUSED_ALL if spec == "all" else spec).split(",")):
         key, _, value = item.partition("=")
         field, values = FUSED_ITEMS.get(key, (None, ()))
         value = value or (values[-1] if key != "loss" and values else "")
         if value not in values:
             raise ValueError(f"--fused item {item!r} is unknown; use none, all, or a comma list of "
                              "loss=chunked|liger, norm, swiglu=packed|triton")
-        overrides.append(f"model.{field}={value}")
-    return overrides
+        chosen[field] = value
+    return [f"model.{field}={value}" for field, value in chosen.items()]
 
 
 def prepare(name, args, device, extra_overrides=(), label=None):
@@ -196,7 +199,7 @@ def model_shapes(args):
 
 def variants(args):
     """(experiment, overrides, row label) of every model under every --fused spec."""
-    label = lambda name, spec: name if spec == "none" and len(args.fused) == 1 else f"{name} +{spec}"  # noqa: E731
+    label = lambda name, spec: name if spec == "default" and len(args.fused) == 1 else f"{name} +{spec}"  # noqa: E731
     return [(name, fused_overrides(spec), label(name, spec)) for name in args.models for spec in args.fused]
 
 
@@ -267,8 +270,8 @@ def main():
                    help="print the top ROWS kernels of each model (CUDA)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the models (all resident) this many times, alternating; median, range and ratios")
-    p.add_argument("--fused", nargs="+", default=["none"], metavar="SPEC",
-                   help="fused kernels, one row per spec: none, all, or e.g. loss=chunked,norm,swiglu=packed")
+    p.add_argument("--fused", nargs="+", default=["default"], metavar="SPEC",
+                   help="fused kernels, one row per spec: default, none, all, or e.g. loss=chunked,norm,swiglu=packed")
     p.add_argument("--plain", metavar="SCRIPT", default=None,
                    help="yardstick script run at each model's shape, e.g. ../shared/bench/plain_llama_step.py")
     args = p.parse_args()

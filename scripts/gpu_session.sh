@@ -43,7 +43,7 @@ case "${1:-tests}" in
              tests/test_tree.py tests/test_sharded_decode.py tests/test_fp8.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
            python -m pytest -q -rs tests/test_fused.py 2>&1 | tee "$OUT/pytest_fused.log" | tail -4 ;;
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
-  fused)   python -m scripts.bench_train --models baseline_paper_S --fused none loss=chunked norm swiglu=packed all \
+  fused)   python -m scripts.bench_train --models baseline_paper_S --fused none default loss=chunked,swiglu=packed loss=chunked,norm all \
              --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
   memory)  for args in "baseline_paper_S castle_paper_M --batch 8" "fox_pro_360M --batch 1" "baseline_paper_XL --batch 8"; do
              python -m scripts.bench_memory --models $args --modes none full --steps 2 --warmup 1 2>&1 \

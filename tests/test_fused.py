@@ -381,9 +381,11 @@ def test_fused_training_follows_the_unfused_loss_curve_gpu():
 
 def test_bench_fused_specs_become_model_overrides():
     from scripts.bench_train import fused_overrides
-    assert fused_overrides("none") == []
+    assert fused_overrides("default") == []
+    assert fused_overrides("none") == ["model.fused_loss=none"]          # not the default auto (chunked on CUDA)
     assert fused_overrides("all") == ["model.fused_loss=chunked", "model.fused_norm=true", "model.fused_swiglu=triton"]
     assert fused_overrides("loss=liger,swiglu=packed") == ["model.fused_loss=liger", "model.fused_swiglu=packed"]
+    assert fused_overrides("norm") == ["model.fused_loss=none", "model.fused_norm=true"]
     for bad in ("fast", "loss", "norm=yes", "loss=chunked,swiglu=fast"):
         with pytest.raises(ValueError, match="--fused"):
             fused_overrides(bad)
