@@ -170,7 +170,6 @@ def compiled_timing(name, mode, batches, args, device):
             time_steps(bench, timing, device)
             return batch, bench
         except torch.OutOfMemoryError:
-            bench = None
             torch.cuda.empty_cache()
     return None, None
 
