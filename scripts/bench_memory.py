@@ -27,6 +27,7 @@ the measured peak is the allocator's (max_memory_allocated), and their ratio: "p
 compiled step with the plan of a compiled one.
 """
 import argparse
+import gc
 import sys
 from types import SimpleNamespace
 
@@ -165,11 +166,14 @@ def compiled_timing(name, mode, batches, args, device):
     for batch in batches:
         torch._dynamo.reset()
         timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
+        bench = None
         try:
             bench = prepare(name, timing, device)
             time_steps(bench, timing, device)
             return batch, bench
         except torch.OutOfMemoryError:
+            bench = None             # free the failed attempt's model and optimizer before the next one
+            gc.collect()
             torch.cuda.empty_cache()
     return None, None
 
