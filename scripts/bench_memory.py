@@ -166,7 +166,6 @@ def compiled_timing(name, mode, batches, args, device):
     for batch in batches:
         torch._dynamo.reset()
         timing = SimpleNamespace(**{**vars(args), "batch_tokens": batch * T, "activation_checkpointing": mode})
-        bench = None
         try:
             bench = prepare(name, timing, device)
             time_steps(bench, timing, device)
