@@ -171,9 +171,10 @@ def compiled_timing(name, mode, batches, args, device):
             time_steps(bench, timing, device)
             return batch, bench
         except torch.OutOfMemoryError:
-            bench = None             # free the failed attempt's model and optimizer before the next one
-            gc.collect()
-            torch.cuda.empty_cache()
+            pass
+        bench = None      # free the failed attempt's model and optimizer (outside the except: its traceback
+        gc.collect()      # holds the frames that made them) before the next, smaller one
+        torch.cuda.empty_cache()
     return None, None
 
 
