@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
 #   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels on/off, against plain PyTorch
+#   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: default vs packed, aligned SwiGLU
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
 #   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
@@ -45,6 +46,8 @@ case "${1:-tests}" in
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
   fused)   python -m scripts.bench_train --models baseline_paper_S --fused none default loss=chunked,swiglu=packed loss=chunked,norm all \
              --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
+  mfu)     python -m scripts.bench_train --models baseline_paper_M transformer_llama_360M \
+             --fused default loss=chunked,swiglu=packed --steps 10 2>&1 | tee "$OUT/bench_mfu.log" | tail -8 ;;
   memory)  for args in "baseline_paper_S castle_paper_M --batch 8" "fox_pro_360M --batch 1" "baseline_paper_XL --batch 8"; do
              python -m scripts.bench_memory --models $args --modes none full --steps 2 --warmup 1 2>&1 \
                | tee -a "$OUT/bench_memory.log" | tail -6
@@ -115,5 +118,5 @@ case "${1:-tests}" in
            done ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | memory | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | mfu | memory | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | compare"; exit 2 ;;
 esac
