@@ -10,7 +10,7 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
 
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 
-cuda_graph=true (one GPU; every attention but the recurrent ones): after the prompt, every token is one replay of a
+cuda_graph=true (one GPU; every attention): after the prompt, every token is one replay of a
 CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
 torch.compiles the step first (fewer, fused kernels; compiling takes a minute).
 """

@@ -6,13 +6,14 @@ attend_rows, the decode attention over a cache's rows.
 A cache made with a process group holds only this rank's positions (round robin, kernels/tree.py's
 RoundRobinRows) and merges its partial attention with the other ranks' by tree attention. A static step
 (InferenceCache.to_static) keeps the position on the device, so a CUDA graph can replay it at every position;
-CASTLE's layers (kernels.castle.CastleCache) take it too.
+CASTLE's layers (kernels.castle.CastleCache) and the recurrent ones (model.recurrent.RecurrentCache) take it too.
 """
 import torch
 
 from kernels.castle import CastleCache
 from kernels.forgetting import fgate_cumsum
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias
+from model.recurrent import RecurrentCache
 
 
 class KVCache(RoundRobinRows):
@@ -190,8 +191,8 @@ def attend_rows(q, k, v, c, cache):
     return cache.merged_attention(q, k, v, bias=bias)
 
 
-# the layer caches that take static steps (unsharded)
-STATIC_CACHES = (KVCache, WindowCache, CastleCache)
+# the layer caches that take static steps (unsharded); the last two turn themselves static (to_static(position))
+STATIC_CACHES = (KVCache, WindowCache, CastleCache, RecurrentCache)
 
 
 class InferenceCache:
@@ -200,9 +201,10 @@ class InferenceCache:
     `to_static` makes every later step a static one, the step a CUDA graph replays (GPT.forward with one
     token): the next position lives on the device, in `position`, which every layer cache shares and the step
     advances itself, and each layer attends over its whole preallocated buffer with the rows past the position
-    masked. Shapes, buffers and Python state then never change from step to step, so one captured step
-    serves every position. `pos` and the layers' `length` keep counting only the dynamic steps before, and
-    the caller keeps the steps below max_len (a step cannot check a position it does not read on the host).
+    masked (a recurrent layer keeps its fixed-size state in fixed buffers). Shapes, buffers and Python state
+    then never change from step to step, so one captured step serves every position. `pos` and the layers'
+    `length` keep counting only the dynamic steps before, and the caller keeps the steps below max_len (a step
+    cannot check a position it does not read on the host).
     """
 
     def __init__(self, layers, max_len):
@@ -211,18 +213,18 @@ class InferenceCache:
         self.position = None
 
     def to_static(self):
-        """Continue with static steps from position `pos` (unsharded KVCache, WindowCache and CastleCache
-        layers only; a CastleCache first rearranges its buffers, CastleCache.to_static)."""
+        """Continue with static steps from position `pos` (unsharded layer caches of STATIC_CACHES; a CastleCache
+        first rearranges its buffers, CastleCache.to_static; a RecurrentCache copies its state into buffers)."""
         if not all(isinstance(layer, STATIC_CACHES) and layer.group is None for layer in self.layers):
-            raise ValueError("static (CUDA-graph) decoding takes unsharded softmax and CASTLE caches only (KVCache, "
-                             "WindowCache and CastleCache layers: model.attention baseline, fox, castle or "
-                             "castle_swl, without a process group)")
-        self.position = torch.tensor([self.pos], device=self.layers[0].device)
+            raise ValueError("static (CUDA-graph) decoding takes unsharded caches only (KVCache, WindowCache, "
+                             "CastleCache and RecurrentCache layers, without a process group)")
+        position = torch.tensor([self.pos], device=self.layers[0].device)
         for layer in self.layers:
-            if isinstance(layer, CastleCache):
-                layer.to_static(self.position)
+            if isinstance(layer, (CastleCache, RecurrentCache)):
+                layer.to_static(position)
             else:
-                layer.position = self.position
+                layer.position = position
+        self.position = position
 
     def advance(self, T):
         if self.position is not None:

@@ -603,7 +603,7 @@ class CastleAttention(nn.Module):
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
 # the variants whose caches (model/cache.py STATIC_CACHES) take the static steps of CUDA-graph decoding
-GRAPH_DECODE_ATTENTIONS = WINDOWED_ATTENTIONS + ("castle", "castle_swl")
+GRAPH_DECODE_ATTENTIONS = WINDOWED_ATTENTIONS + ("castle", "castle_swl") + RECURRENT_ATTENTIONS
 CUDA_GRAPH_MODES = (False, True, "compiled")   # generate's cuda_graph: off, the eager step captured, the compiled one
 for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
     register_attention(_name)(_layer)
@@ -855,9 +855,6 @@ class GPT(nn.Module):
         """Raise a ValueError naming what keeps cuda_graph (True or "compiled") from decoding this model this way."""
         if cuda_graph not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graph takes one of {CUDA_GRAPH_MODES}, not {cuda_graph!r}")
-        if self.config.attention not in GRAPH_DECODE_ATTENTIONS:
-            raise ValueError(f"cuda_graph=True decodes model.attention in {GRAPH_DECODE_ATTENTIONS} (windowed or "
-                             f"not), not {self.config.attention!r}: decode it without cuda_graph")
         if not use_cache:
             raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
         if group is not None:

@@ -5,7 +5,8 @@ The layers are the Flash Linear Attention library's (the FoX paper builds its ba
 layer classes come from the `flash-linear-attention` package (import name `fla`, `fla.layers`), their
 Triton kernels from `fla-core` (`fla.ops`, `fla.modules`). This module only adapts them to model/gpt.py's
 attention interface (forward(x, rope, cache), new_cache, flops_per_token) and keeps a layer's recurrent
-state as its cache; no recurrence is written here. `fla` is imported when the first such layer is built
+state as its cache (in fixed buffers for CUDA-graph decoding: RecurrentCache.to_static); no recurrence is
+written here. `fla` is imported when the first such layer is built
 (it imports transformers and all of its layers: seconds), never by model/gpt.py itself.
 
 Each recurrent layer takes the place of the attention sub-layer of the LLaMA-style Block (pre-norm residual
@@ -23,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from packaging.version import Version
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from kernels.triton_utils import interpreting, triton
 
@@ -146,15 +148,61 @@ def recurrence_flops(config):
 
 class RecurrentCache:
     """One layer's recurrent state between forward calls (fla's Cache, the layer at index 0): a fixed size
-    whatever the number of positions. `length` counts the positions consumed."""
+    whatever the number of positions. `length` counts the positions consumed by dynamic steps.
+
+    Static steps (to_static: the steps a CUDA graph replays, model/cache.py InferenceCache.to_static) must read
+    and write the same storage every time, but an fla layer puts new state tensors into its cache's dict at
+    every step (FLALayer.update); after each static step `keep_buffers` copies them into the buffers to_static
+    made and points the dict back at them. No count of positions is needed: the fla layers' one-token steps
+    depend on the input length and on whether a state exists, never on `length` or fla's own token counter
+    (FLALayer._seen_tokens); both keep counting the dynamic steps only, so a static step changes no Python
+    state (nor does torch.compile see a counter change from step to step)."""
 
     group = None   # never sharded: there is no sequence axis to split (RecurrentLayer.new_cache)
 
-    def __init__(self):
+    def __init__(self, device):
         from fla.models.cache_utils import Cache
 
         self.state = Cache()
         self.length = 0
+        self.device = device
+        self.position = None     # static steps: InferenceCache's device-held position (unread here)
+        self.buffers = self.spec = self.layout = None     # static steps: the state's tensors, structure, layout
+        self.seen_tokens = None                           # static steps: fla's counter, held at its value
+
+    def to_static(self, position):
+        """Continue with static steps: the state tensors are copied into buffers that every later step reads
+        and overwrites in place."""
+        if self.length == 0:
+            raise ValueError("static (CUDA-graph) decoding of a recurrent layer continues its state: run the "
+                             "prompt (at least one token) through the cache before to_static")
+        state = self.state[0]
+        leaves, self.spec = tree_flatten(state)
+        self.buffers = [x.clone(memory_format=torch.contiguous_format) if isinstance(x, torch.Tensor) else x
+                        for x in leaves]
+        self.layout = state_layout(self.buffers)
+        state.update(tree_unflatten(self.buffers, self.spec))
+        self.seen_tokens = self.state.layers[0]._seen_tokens
+        self.position = position
+
+    def keep_buffers(self):
+        """After a static step: the layer's new state tensors into the buffers, the state pointing at them again
+        (a tensor the layer updated in place, e.g. a short convolution's window, is the buffer already)."""
+        state = self.state[0]
+        leaves, spec = tree_flatten(state)
+        if spec != self.spec or state_layout(leaves) != self.layout:
+            raise RuntimeError("a one-token step changed the structure, shapes or dtypes of the recurrent state "
+                               "(fla layer): static decoding cannot keep it in fixed buffers")
+        for x, buf in zip(leaves, self.buffers):
+            if x is not buf and isinstance(buf, torch.Tensor):
+                buf.copy_(x)
+        state.update(tree_unflatten(self.buffers, spec))
+        self.state.layers[0]._seen_tokens = self.seen_tokens     # FLALayer.update added the step's token
+
+
+def state_layout(leaves):
+    """What a static step must keep of a state's leaves: each tensor's shape, dtype and device, any other value."""
+    return [(x.shape, x.dtype, x.device) if isinstance(x, torch.Tensor) else x for x in leaves]
 
 
 def match_fla_init_and_decay(layer, std):
@@ -195,7 +243,10 @@ class RecurrentLayer(nn.Module):
         if cache is None:
             return self.fresh(x)
         y = self.continued(x, cache)
-        cache.length += x.size(1)
+        if cache.position is None:
+            cache.length += x.size(1)
+        else:                    # a static step (one token): the new state into the buffers the next one reads
+            cache.keep_buffers()
         return y
 
     def fresh(self, x):
@@ -217,7 +268,7 @@ class RecurrentLayer(nn.Module):
             raise ValueError(f"attention={self.attention} is recurrent: its cache is a fixed-size state with no "
                              "sequence axis to shard, so tree (sharded) decoding does not apply; decode on one "
                              "device (no process group)")
-        return RecurrentCache()
+        return RecurrentCache(device)
 
     def flops_per_token(self, seq_len):
         return 3 * self._recurrence_flops      # forward + backward (2x)
@@ -233,6 +284,10 @@ class Mamba2Layer(RecurrentLayer):
     def continued(self, x, cache):
         if cache.length == 0:
             y, conv_state, ssm_state = mamba2_scan(self.layer, x, keep_state=True)
+            # fla's step updates the state as state * exp(dt A) + dt B x: fp32 promoted with x's dtype (fp64 for an
+            # fp64 model). The prompt's state takes that dtype now, so no step changes it (static steps keep it in
+            # fixed buffers: RecurrentCache.keep_buffers)
+            ssm_state = ssm_state.to(torch.promote_types(ssm_state.dtype, x.dtype))
             cache.state.update(recurrent_state=ssm_state, conv_state=conv_state, layer_idx=0, offset=x.size(1))
             return y
         return torch.cat([self.layer(x[:, t:t + 1], past_key_values=cache.state, use_cache=True)[0]

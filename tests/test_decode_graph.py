@@ -1,23 +1,37 @@
 """CUDA-graph decoding: the static step (InferenceCache.to_static) run eagerly equals today's dynamic cached
-decoding on CPU; on a GPU its graph replays equal both (model/sampling.py GraphedDecodeStep); the benchmark runs."""
+decoding on CPU; on a GPU its graph replays equal both (model/sampling.py GraphedDecodeStep); the benchmark runs.
+
+The recurrent baselines' fla kernels run on CPU in the Triton interpreter only (tests/conftest.py sets it where
+there is no GPU); a GPU machine tests them by the tests marked gpu."""
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
 
 import sample
 from kernels.castle import CastleCache, castle_decode, castle_prefill
+from kernels.triton_utils import interpreting
 from model.cache import WindowCache
-from model.gpt import GPT, GRAPH_DECODE_ATTENTIONS
+from model.gpt import ATTENTIONS, GPT, GRAPH_DECODE_ATTENTIONS
+from model.recurrent import RecurrentCache
 from model.sampling import GraphedDecodeStep
 from tests.test_entry_errors import compose_config, error_of
 from tests.test_model import GPT2, LLAMA, PRO, tiny
 
 NOPOS = {**LLAMA, "pos": "none"}
-# every variant whose caches take static steps: softmax attention, LLaMA / GPT-2 / Pro blocks, FoX, windows;
-# CASTLE, CASTLE-SWL (a window shorter than the tokens decoded, so that it slides) and the ablations
+# the recurrent baselines (fla's layers) in tests/test_recurrent.py's tiny shapes; Mamba-2 blocks have no MLP
+RECURRENT_VARIANTS = {
+    "mamba2": dict(attention="mamba2", **{**NOPOS, "mlp": "none"}, n_head=4, head_dim=16, ssm_state_size=16),
+    "hgrn2": dict(attention="hgrn2", **NOPOS, n_head=2, head_dim=16),
+    "deltanet": dict(attention="deltanet", **NOPOS, n_head=2),
+    "gated_deltanet": dict(attention="gated_deltanet", **NOPOS, n_head=2, head_dim=16),
+}
+# every variant, each of whose caches takes static steps: softmax attention, LLaMA / GPT-2 / Pro blocks, FoX,
+# windows; CASTLE, CASTLE-SWL (a window shorter than the tokens decoded, so that it slides) and the ablations;
+# the recurrent baselines
 GRAPH_VARIANTS = {
     "llama": dict(attention="baseline", **LLAMA),
     "gpt2": dict(attention="baseline", **GPT2),
@@ -30,12 +44,33 @@ GRAPH_VARIANTS = {
     "castle_swl": dict(attention="castle_swl", castle_window=3, **LLAMA),
     "castle_swl_no_causal_keys": dict(attention="castle_swl", castle_window=4, castle_causal_keys=False, **LLAMA),
     "castle_no_silu_rope_qkv": dict(attention="castle", castle_silu=False, castle_rope="qkv", **LLAMA),
+    **RECURRENT_VARIANTS,
 }
-GRAPH_CONFIGS = [pytest.param(kw, id=name) for name, kw in GRAPH_VARIANTS.items()]
+SLOW_ON_CPU = ("deltanet", "gated_deltanet")    # seconds a test in the Triton interpreter: the full suite only
+
+
+def cpu_marks(name):
+    """fla's Triton kernels on CPU: in the interpreter only (Mamba-2's decode step is fla's torch code)."""
+    if name not in RECURRENT_VARIANTS or name == "mamba2":
+        return ()
+    needs = pytest.mark.skipif(not interpreting(), reason="fla's kernels run on CPU in the Triton interpreter only")
+    return (needs, pytest.mark.slow) if name in SLOW_ON_CPU else (needs,)
+
+
+GRAPH_CONFIGS = [pytest.param(kw, id=name, marks=cpu_marks(name)) for name, kw in GRAPH_VARIANTS.items()]
+# the delta rules' 48 greedy steps take tens of seconds in the interpreter; the logits tests check their steps
+GREEDY_CONFIGS = [param for param in GRAPH_CONFIGS if param.id not in SLOW_ON_CPU]
+GPU_CONFIGS = [pytest.param(kw, id=name) for name, kw in GRAPH_VARIANTS.items()]
 COMPILED_CONFIGS = [pytest.param(GRAPH_VARIANTS[name], id=name) for name in ("llama", "fox_pro", "castle")]
+GPU_COMPILED_CONFIGS = COMPILED_CONFIGS + [pytest.param(RECURRENT_VARIANTS[name], id=name)
+                                           for name in ("hgrn2", "deltanet")]
 # FoX's gate bias goes through tree attention in fp32 (kernels.tree.fox_bias), as in sharded decoding;
-# everything else of the static step is computed in the model's precision
-FP64_ATOL = {"baseline": 1e-12, "fox": 1e-6, "castle": 1e-12, "castle_swl": 1e-12}
+# everything else of the static step is computed in the model's precision. A recurrent layer's static step is
+# its dynamic step (the same kernels on the same state), so equal to the bit.
+FP64_ATOL = {"baseline": 1e-12, "fox": 1e-6, "castle": 1e-12, "castle_swl": 1e-12,
+             **dict.fromkeys(RECURRENT_VARIANTS, 0)}
+# fla's delta-rule kernels take no fp64 in the Triton interpreter: those variants run the fp64 test in fp32
+FP32_ONLY = ("deltanet", "gated_deltanet")
 
 
 def model_of(kw, dtype=torch.float64, device="cpu", **size):
@@ -44,8 +79,9 @@ def model_of(kw, dtype=torch.float64, device="cpu", **size):
 
 def unwritten_buffers(layer):
     """The buffers of a layer cache whose rows past its length hold no position yet (a window's ring marks
-    its empty rows by position -1 instead; CASTLE's static Q^U ring holds position j at row j % its rows)."""
-    if isinstance(layer, WindowCache):
+    its empty rows by position -1 instead; CASTLE's static Q^U ring holds position j at row j % its rows; a
+    recurrent state has no rows)."""
+    if isinstance(layer, (WindowCache, RecurrentCache)):
         return ()
     if isinstance(layer, CastleCache):
         return layer.u_buf, layer.qu_buf, layer.kc_buf, layer.vc_buf
@@ -84,7 +120,7 @@ def decode_logits(model, prompt, tokens, static, garbage=False):
 def test_static_step_logits_equal_dynamic(kw, T0):
     """fp64, batch 3, odd prompt lengths (1: the window's ring still has empty rows), unwritten rows full of
     garbage: every static step's logits equal the dynamic step's."""
-    model = model_of(kw)
+    model = model_of(kw, torch.float32 if kw["attention"] in FP32_ONLY else torch.float64)
     prompt, tokens = torch.randint(0, 97, (3, T0)), torch.randint(0, 97, (3, 8))
     dynamic, _ = decode_logits(model, prompt, tokens, static=False)
     static, _ = decode_logits(model, prompt, tokens, static=True, garbage=True)
@@ -114,7 +150,7 @@ def static_greedy(model, prompt, n):
     return torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1)
 
 
-@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+@pytest.mark.parametrize("kw", GREEDY_CONFIGS)
 def test_static_greedy_generation_equals_dynamic(kw):
     model = model_of(kw, torch.float32, block_size=64)
     prompt = torch.randint(0, 97, (2, 5))
@@ -122,15 +158,26 @@ def test_static_greedy_generation_equals_dynamic(kw):
 
 
 def python_state_of(layer):
-    return {name: x for name, x in vars(layer).items() if not isinstance(x, torch.Tensor)}
+    """A layer cache's attributes but its tensors; of a recurrent layer also fla's layer cache's (its counter)."""
+    state = {name: x for name, x in vars(layer).items() if not isinstance(x, torch.Tensor)}
+    if isinstance(layer, RecurrentCache):
+        state["fla"] = {name: x for name, x in vars(layer.state.layers[0]).items() if name != "state"}
+    return state
 
 
 def tensors_of(cache):
-    return {(i, name): x for i, layer in enumerate(cache.layers) for name, x in vars(layer).items()
-            if isinstance(x, torch.Tensor)}
+    """Every tensor of the layer caches, and of a recurrent layer also those of the state its fla layer reads."""
+    tensors = {}
+    for i, layer in enumerate(cache.layers):
+        tensors.update({(i, name): x for name, x in vars(layer).items() if isinstance(x, torch.Tensor)})
+        if isinstance(layer, RecurrentCache):
+            leaves = tree_leaves(layer.state[0])
+            tensors.update({(i, "state", j): x for j, x in enumerate(leaves) if isinstance(x, torch.Tensor)})
+    return tensors
 
 
 @pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+@torch.no_grad()                  # as in generation (Gated DeltaNet's layer takes its chunk kernel under autograd)
 def test_static_steps_keep_their_buffers_and_python_state(kw):
     """What a captured graph relies on: a static step writes the cache in place (same tensors, same storage),
     changes no Python state (no attribute of a layer cache but its tensors' contents), reads RoPE tables
@@ -194,17 +241,17 @@ def test_static_learned_positions_check_the_whole_cache():
         model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
 
 
-def test_recurrent_models_refuse_cuda_graph():
-    """Every attention but the recurrent baselines takes cuda_graph=True; a recurrent model is refused by
-    name, and its cache refuses static steps."""
-    model = GPT(tiny(attention="hgrn2", **NOPOS)).eval()
-    prompt = torch.zeros(1, 3, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"cuda_graph=True decodes model.attention in \('baseline', 'fox', "
-                                         r"'castle', 'castle_swl'\) \(windowed or not\), not 'hgrn2'"):
-        model.generate(prompt, 4, cuda_graph=True)
-    with pytest.raises(ValueError, match="static"):
-        model.new_cache(1, 8).to_static()
-    assert set(GRAPH_DECODE_ATTENTIONS) == {kw["attention"] for kw in GRAPH_VARIANTS.values()}
+def test_every_attention_takes_cuda_graph():
+    """cuda_graph=True takes every attention: a recurrent model on the CPU is refused for the device only. A
+    recurrent cache turns static only once it holds a state (after the prompt), and stays dynamic otherwise."""
+    assert set(GRAPH_DECODE_ATTENTIONS) == set(ATTENTIONS) == {kw["attention"] for kw in GRAPH_VARIANTS.values()}
+    model = model_of(RECURRENT_VARIANTS["hgrn2"], torch.float32)
+    with pytest.raises(ValueError, match="cuda_graph=True needs the model and prompt on a CUDA device, not cpu"):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph=True)
+    cache = model.new_cache(1, 8)
+    with pytest.raises(ValueError, match=r"run the prompt \(at least one token\) through the cache before to_static"):
+        cache.to_static()
+    assert cache.position is None and all(layer.position is None for layer in cache.layers)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -302,7 +349,7 @@ def graphed_logits(model, prompt, tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+@pytest.mark.parametrize("kw", GPU_CONFIGS)
 @torch.no_grad()
 def test_graph_replay_equals_eager_static_and_dynamic_step(kw):
     model = model_of(kw, torch.bfloat16, "cuda", **GPU_SIZE)
@@ -319,7 +366,7 @@ def test_graph_replay_equals_eager_static_and_dynamic_step(kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", GRAPH_CONFIGS)
+@pytest.mark.parametrize("kw", GPU_CONFIGS)
 def test_graph_greedy_tokens_equal(kw):
     """32 greedy tokens: in fp32 cuda_graph=True equals the dynamic path; in bf16 the graph equals the same
     static step run eagerly (the same kernels, so near-ties cannot break differently)."""
@@ -333,7 +380,19 @@ def test_graph_greedy_tokens_equal(kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kw", COMPILED_CONFIGS)
+@pytest.mark.parametrize("kw", [pytest.param(kw, id=name) for name, kw in RECURRENT_VARIANTS.items()])
+def test_graph_continues_a_chunked_recurrent_prompt(kw):
+    """A prompt over 64 tokens: the fla layers take their chunk kernels, whose final states the static buffers
+    then hold (the one-token steps' shapes and dtypes). A recurrent static step is its dynamic step on the same
+    state, so the graph's 24 greedy tokens equal the dynamic path's, also in bf16."""
+    prompt = torch.randint(0, 97, (2, 100), device="cuda")
+    model = model_of(kw, torch.bfloat16, "cuda", **GPU_SIZE)
+    assert torch.equal(model.generate(prompt, 24, temperature=0, cuda_graph=True),
+                       model.generate(prompt, 24, temperature=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", GPU_COMPILED_CONFIGS)
 def test_compiled_graph_greedy_tokens_equal(kw):
     """cuda_graph="compiled": 32 greedy tokens in fp32 equal the dynamic path's."""
     prompt = torch.randint(0, 97, (2, 11), device="cuda")
