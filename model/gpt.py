@@ -602,8 +602,6 @@ class CastleAttention(nn.Module):
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
-# the variants whose caches (model/cache.py STATIC_CACHES) take the static steps of CUDA-graph decoding
-GRAPH_DECODE_ATTENTIONS = WINDOWED_ATTENTIONS + ("castle", "castle_swl") + RECURRENT_ATTENTIONS
 CUDA_GRAPH_MODES = (False, True, "compiled")   # generate's cuda_graph: off, the eager step captured, the compiled one
 for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
     register_attention(_name)(_layer)
@@ -805,8 +803,8 @@ class GPT(nn.Module):
         same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
-        (GraphedDecodeStep); CUDA, one device, with the cache, GRAPH_DECODE_ATTENTIONS only (CASTLE's
-        ablations included). "compiled": the step is torch.compile'd before it is captured.
+        (GraphedDecodeStep); CUDA, one device, with the cache; every attention's caches take its static steps
+        (model/cache.py STATIC_CACHES). "compiled": the step is torch.compile'd before it is captured.
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:

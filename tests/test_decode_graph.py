@@ -15,7 +15,7 @@ import sample
 from kernels.castle import CastleCache, castle_decode, castle_prefill
 from kernels.triton_utils import interpreting
 from model.cache import WindowCache
-from model.gpt import ATTENTIONS, GPT, GRAPH_DECODE_ATTENTIONS
+from model.gpt import ATTENTIONS, GPT
 from model.recurrent import RecurrentCache
 from model.sampling import GraphedDecodeStep
 from tests.test_entry_errors import compose_config, error_of
@@ -244,7 +244,7 @@ def test_static_learned_positions_check_the_whole_cache():
 def test_every_attention_takes_cuda_graph():
     """cuda_graph=True takes every attention: a recurrent model on the CPU is refused for the device only. A
     recurrent cache turns static only once it holds a state (after the prompt), and stays dynamic otherwise."""
-    assert set(GRAPH_DECODE_ATTENTIONS) == set(ATTENTIONS) == {kw["attention"] for kw in GRAPH_VARIANTS.values()}
+    assert set(ATTENTIONS) == {kw["attention"] for kw in GRAPH_VARIANTS.values()}      # every one is tested here
     model = model_of(RECURRENT_VARIANTS["hgrn2"], torch.float32)
     with pytest.raises(ValueError, match="cuda_graph=True needs the model and prompt on a CUDA device, not cpu"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph=True)
