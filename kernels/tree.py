@@ -256,7 +256,8 @@ class RoundRobinRows:
     spread evenly over the ranks, and the shards never differ by more than one position (a decode step
     waits for the largest). Without a group (or with one rank) row j is position j.
 
-    A cache subclasses this and keeps `length`, the positions of all ranks (the same on every rank)."""
+    A cache subclasses this and keeps `length`, the positions of all ranks (the same on every rank), and
+    `position`, set for static steps (to_static)."""
 
     def __init__(self, group, device):
         self.group = group
@@ -264,6 +265,14 @@ class RoundRobinRows:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.device = device
         self.length = 0
+        self.position = None       # static steps (to_static): the device-held position
+
+    def to_static(self, position):
+        """Continue with static steps, the ones a CUDA graph replays: the next position is read from
+        `position`, a (1,) long device tensor the caller advances; an unsharded cache only (row j is position j)."""
+        if self.group is not None:
+            raise ValueError("static (CUDA-graph) decoding takes unsharded caches only (made without a process group)")
+        self.position = position
 
     def max_rows(self, positions):
         """Local rows the rank holding the most of `positions` positions needs."""

@@ -10,10 +10,8 @@ CASTLE's layers (kernels.castle.CastleCache) and the recurrent ones (model.recur
 """
 import torch
 
-from kernels.castle import CastleCache
 from kernels.forgetting import fgate_cumsum
 from kernels.tree import RoundRobinRows, fox_bias, mask_bias
-from model.recurrent import RecurrentCache
 
 
 class KVCache(RoundRobinRows):
@@ -31,7 +29,6 @@ class KVCache(RoundRobinRows):
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
         super().__init__(group, device)
         self.max_len = max_len
-        self.position = None
         rows = self.max_rows(max_len)
         self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -102,7 +99,6 @@ class WindowCache(RoundRobinRows):
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, window, gated, group=None):
         super().__init__(group, device)
         self.window = window
-        self.position = None              # static steps: as KVCache's
         rows = min(self.max_rows(window), self.max_rows(max_len))
         self.k = torch.zeros(batch_size, n_head, rows, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
@@ -191,10 +187,6 @@ def attend_rows(q, k, v, c, cache):
     return cache.merged_attention(q, k, v, bias=bias)
 
 
-# the layer caches that take static steps (unsharded); the last two turn themselves static (to_static(position))
-STATIC_CACHES = (KVCache, WindowCache, CastleCache, RecurrentCache)
-
-
 class InferenceCache:
     """Per-layer attention caches for max_len positions plus the number of positions already processed.
 
@@ -213,17 +205,14 @@ class InferenceCache:
         self.position = None
 
     def to_static(self):
-        """Continue with static steps from position `pos` (unsharded layer caches of STATIC_CACHES; a CastleCache
-        first rearranges its buffers, CastleCache.to_static; a RecurrentCache copies its state into buffers)."""
-        if not all(isinstance(layer, STATIC_CACHES) and layer.group is None for layer in self.layers):
-            raise ValueError("static (CUDA-graph) decoding takes unsharded caches only (KVCache, WindowCache, "
-                             "CastleCache and RecurrentCache layers, without a process group)")
+        """Continue with static steps from position `pos`: every layer cache turns static on the shared
+        device-held position (a CastleCache also rearranges its buffers, a RecurrentCache moves its state into
+        fixed ones); unsharded caches only, refused before any layer changes."""
+        if any(layer.group is not None for layer in self.layers):
+            raise ValueError("static (CUDA-graph) decoding takes unsharded caches only (made without a process group)")
         position = torch.tensor([self.pos], device=self.layers[0].device)
         for layer in self.layers:
-            if isinstance(layer, (CastleCache, RecurrentCache)):
-                layer.to_static(position)
-            else:
-                layer.position = position
+            layer.to_static(position)
         self.position = position
 
     def advance(self, T):

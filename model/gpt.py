@@ -804,7 +804,7 @@ class GPT(nn.Module):
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep); CUDA, one device, with the cache; every attention's caches take its static steps
-        (model/cache.py STATIC_CACHES). "compiled": the step is torch.compile'd before it is captured.
+        (model/cache.py InferenceCache.to_static). "compiled": the step is torch.compile'd before it is captured.
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:

@@ -78,7 +78,6 @@ class CastleCache(RoundRobinRows):
         self.qu_end = 0
         self.window = window
         self.scale = head_dim ** -0.5 if scale is None else float(scale)
-        self.position = None
 
     @property
     def capacity(self):
@@ -162,9 +161,7 @@ class CastleCache(RoundRobinRows):
         that the caller advances after each step and keeps below the capacity. Unsharded caches only. Q^U
         moves into its ring and the unwritten rows are zeroed: a masked row must hold finite values, for
         the step reads it (its zero softmax weight times a NaN value would still be NaN)."""
-        if self.group is not None:
-            raise ValueError("static (CUDA-graph) decoding takes an unsharded CASTLE cache (made without a "
-                             "process group)")
+        super().to_static(position)                                    # refuses a sharded cache
         t = self.length                                                # = n_local: row j is position j
         held = self.qu                                                 # positions t - len(held) .. t - 1
         R = self.capacity if self.window is None else min(self.window, self.capacity)   # owners a token reaches
@@ -175,7 +172,6 @@ class CastleCache(RoundRobinRows):
         for buf in (self.u_buf, self.kc_buf, self.vc_buf):
             if buf is not None:
                 buf[..., t:, :].zero_()
-        self.position = position
 
     def _lookahead_weights(self, qu, ku):
         """sigmoid(s q^U_j . k^U_t) of eq (13) for the owners' q^U (B, H, n, D): (B, H, n, 1) in U's dtype."""
