@@ -349,11 +349,13 @@ def sharded_cumsum(x_local, group=None):
 if triton is not None:
     _NEG = tl.constexpr(NEG)  # jit code may only read constexpr globals
 
+    # scale is constexpr: torch.compile (Inductor) would pass a Python float as an fp64 scalar,
+    # promoting the logits and the loop-carried softmax state to fp64, which Triton refuses.
     @triton.jit
     def _decode_kernel(Q, K, V, Bias, Out, LSE,
                        sqb, sqh, sqn, skb, skh, skl, svb, svh, svl,
                        sbb, sbh, sbn, sbl, sob, soh, son, sos, slb, slh, sln, sls,
-                       Hkv, n, rows_per_kv, L, scale,
+                       Hkv, n, rows_per_kv, L, scale: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
                        PREC: tl.constexpr):
