@@ -5,6 +5,7 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
     python -m scripts.bench_decode --model fox_pro_360M --batch 1 --ctx 4096 --compiled   # + the compiled step
     python -m scripts.bench_decode --export-hf hf/llama360M-random   # write the random model for transformers
     python -m scripts.bench_decode --hf hf/llama360M-random          # both sides load this directory's weights
+    python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile   # + where a step's time goes
     python -m scripts.bench_decode --device cpu --model tiny --ctx 64 --n 4 --batch 1   # smoke test
 
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
@@ -18,6 +19,10 @@ host as sample.py's printing does; tokens/s = B / that.
 The bound is the time to read, once per step, the weights a step multiplies (an untied input embedding and
 learned positions are lookups) and the whole cache at ctx positions, at --bandwidth-gbs (default 3350 GB/s:
 an H100 SXM's HBM3); "x bound" is ms/token over it.
+
+--profile (CUDA) traces PROFILED_STEPS of our steps per mode with torch.profiler and prints the GPU kernels a
+step launches and their summed time: kernel time well below ms/token means the step waits on launches and
+gaps between small kernels rather than on memory.
 """
 import argparse
 import gc
@@ -35,6 +40,8 @@ from scripts.bench_sharded_decode import cache_bytes
 from scripts.bench_train import model_config
 
 SKIPPED_STEPS = 3   # GraphedDecodeStep's two eager warm-up steps and its capture; transformers compiles here
+PROFILED_STEPS = 8  # --profile: steps traced after the skipped ones
+TOP_KERNELS = 8
 
 
 def parse(argv=None):
@@ -52,10 +59,15 @@ def parse(argv=None):
                    "directory DIR (bf16) and exit")
     p.add_argument("--compiled", action="store_true", help="also time cuda_graph='compiled' (the step "
                    "torch.compile'd, then captured; compiling takes a minute per batch and context)")
+    p.add_argument("--profile", action="store_true", help=f"trace {PROFILED_STEPS} steps of each of our modes "
+                   "(CUDA): kernels per step, their time, the costliest kernels")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     if args.n < 2:
         p.error("--n must be >= 2: a time per token needs two tokens")
+    if args.profile and args.n <= SKIPPED_STEPS + 1 + PROFILED_STEPS:
+        p.error(f"--profile traces steps {SKIPPED_STEPS + 2}..{SKIPPED_STEPS + 1 + PROFILED_STEPS}: "
+                f"--n must exceed {SKIPPED_STEPS + 1 + PROFILED_STEPS}")
     bad = [c for c in args.ctx if c <= args.n]
     if bad:
         p.error(f"--ctx {bad} must exceed --n {args.n}: the prompt is ctx - n tokens")
@@ -124,6 +136,34 @@ def time_ours(model, prompt, n, cuda_graph, prefill_chunk):
     return per_token_ms(stamps)
 
 
+def profile_ours(model, prompt, n, cuda_graph, prefill_chunk):
+    """The GPU kernels of PROFILED_STEPS decode steps after the skipped ones: a line with the kernels per step,
+    their summed time per step, and the TOP_KERNELS costliest (launches and ms per step)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    stream = model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
+    for _ in range(SKIPPED_STEPS + 1):
+        next(stream)
+    synchronize(prompt.device)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILED_STEPS):
+            next(stream)
+        synchronize(prompt.device)
+    stream.close()
+    by_name = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            launches, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (launches + 1, us + e.time_range.elapsed_us())
+    total_launches = sum(c for c, _ in by_name.values())
+    total_ms = sum(us for _, us in by_name.values()) / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    lines = [f"{total_launches / PROFILED_STEPS:.0f} kernels per step, {total_ms / PROFILED_STEPS:.3f} ms of "
+             f"kernel time per step; costliest (launches per step, ms per step):"]
+    lines += [f"  {c / PROFILED_STEPS:5.1f}  {us / 1e3 / PROFILED_STEPS:7.4f}  {name[:100]}" for name, (c, us) in top]
+    return "\n".join(lines)
+
+
 def time_hf(hf_model, prompt, n, cache_implementation):
     from transformers.generation.streamers import BaseStreamer
 
@@ -159,6 +199,8 @@ def main(argv=None):
     if args.export_hf:
         return export_random(model, args.export_hf)
     graph = device.type == "cuda"
+    if args.profile and not graph:
+        raise SystemExit("--profile traces GPU kernels: it needs a CUDA GPU (--device cuda)")
     print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, {str(dtype).removeprefix('torch.')} on {device}; "
           f"bound at {args.bandwidth_gbs:g} GB/s (--bandwidth-gbs; 3350 GB/s: H100 SXM)")
     if not graph:
@@ -176,14 +218,13 @@ def main(argv=None):
             bound_ms = 1e3 * (weight_bytes(model) + cache_bytes(model.new_cache(B, ctx, device="meta"))) / (
                 args.bandwidth_gbs * 1e9)
             prompt = torch.randint(0, n_tokens, (B, ctx - args.n), device=device)
-            runs = [("eager", lambda: time_ours(model, prompt, args.n, False, args.prefill_chunk))]
-            if graph:
-                runs += [(f"cuda_graph={mode}", lambda mode=mode: time_ours(model, prompt, args.n, mode, args.prefill_chunk))
-                         for mode in (True, "compiled")[:1 + args.compiled]]
+            ours = [False] + ([True, "compiled"][:1 + args.compiled] if graph else [])   # cuda_graph values
+            runs = [("eager" if not g else f"cuda_graph={g}", g,
+                     lambda g=g: time_ours(model, prompt, args.n, g, args.prefill_chunk)) for g in ours]
             if hf_model is not None:
-                runs += [(f"transformers {impl} cache", lambda impl=impl: time_hf(hf_model, prompt, args.n, impl))
+                runs += [(f"transformers {impl} cache", None, lambda impl=impl: time_hf(hf_model, prompt, args.n, impl))
                          for impl in ("dynamic", "static")]
-            for mode, run in runs:
+            for mode, cuda_graph, run in runs:
                 fresh_memory(device)
                 try:
                     ms = run()
@@ -195,6 +236,8 @@ def main(argv=None):
                 rows.append((B, ctx, name, mode, f"{ms:.3f}", f"{1e3 * B / ms:.1f}", f"{bound_ms:.3f}",
                              f"{ms / bound_ms:.2f}", peak_gib(device)))
                 print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token", flush=True)
+                if args.profile and cuda_graph is not None:
+                    print(profile_ours(model, prompt, args.n, cuda_graph, args.prefill_chunk), flush=True)
     header = ("batch", "ctx", "model", "mode", "ms/token", "tokens/s", "bound ms", "x bound", "peak GiB")
     print("\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
                     ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]))

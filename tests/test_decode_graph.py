@@ -337,6 +337,31 @@ def test_bench_decode_smoke():
     assert ms > 0
 
 
+def run_bench_decode(*args):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([sys.executable, "-m", "scripts.bench_decode", "--model", "tiny", "--batch", "1", *args],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+
+
+def test_bench_decode_profile_is_checked_before_any_work():
+    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "8", "--profile")
+    assert out.returncode == 2 and "--n must exceed 12" in out.stderr, out.stderr
+    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "20", "--profile")
+    assert out.returncode != 0 and "needs a CUDA GPU" in out.stderr, out.stderr
+
+
+@pytest.mark.gpu
+def test_bench_decode_profile_traces_each_mode():
+    """--profile prints one trace per mode of ours, each with its kernels and kernel time per step (a graph's
+    kernels included: the profiler sees the kernels a replay launches)."""
+    out = run_bench_decode("--device", "cuda", "--ctx", "256", "--n", "20", "--compiled", "--profile")
+    assert out.returncode == 0, out.stderr
+    traces = [line.split() for line in out.stdout.splitlines() if "kernels per step" in line]
+    assert len(traces) == 3, out.stdout                         # eager, cuda_graph=True, compiled
+    for words in traces:
+        assert float(words[0]) > 0 and float(words[4]) > 0, words
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 GPU_SIZE = dict(n_embd=64, n_head=4, block_size=512)         # head_dim 16: the split-KV kernel's smallest tile
