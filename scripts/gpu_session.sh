@@ -15,7 +15,7 @@
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
-#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: its GPU tests, eager vs graph vs transformers
+#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile, eager vs graph vs transformers, its GPU tests
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
@@ -110,12 +110,20 @@ case "${1:-tests}" in
              compare_XS:model.attention_window=256 compare_XS:model=castle \
              compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
              compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS} 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
-  decode)  python -m pytest -m gpu -q -rs tests/test_decode_graph.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -4
+  decode)  BW=3350; nvidia-smi -L | grep -q H200 && BW=4800      # the bound at this card's HBM bandwidth
+           python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW 2>&1 \
+             | tee "$OUT/decode_profile.log" | tail -40
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
-           python -m scripts.bench_decode --hf /tmp/hf360 --compiled 2>&1 | tee "$OUT/bench_decode.log" | tail -18
+           python -m scripts.bench_decode --hf /tmp/hf360 --compiled --bandwidth-gbs $BW 2>&1 | tee "$OUT/bench_decode.log" | tail -18
            for m in fox_pro_360M castle_paper_M; do
-             python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled 2>&1 | tee -a "$OUT/bench_decode.log" | tail -5
-           done ;;
+             python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled --bandwidth-gbs $BW 2>&1 \
+               | tee -a "$OUT/bench_decode.log" | tail -5
+           done
+           # fla autotunes for minutes: the recurrent variants' tests last
+           python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "not (mamba2 or hgrn2 or deltanet)" 2>&1 \
+             | tee "$OUT/pytest_decode.log" | tail -4
+           python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "mamba2 or hgrn2 or deltanet" 2>&1 \
+             | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
   *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | mfu | memory | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | compare"; exit 2 ;;
