@@ -6,6 +6,7 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
     python -m scripts.bench_decode --export-hf hf/llama360M-random   # write the random model for transformers
     python -m scripts.bench_decode --hf hf/llama360M-random          # both sides load this directory's weights
     python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile   # + where a step's time goes
+    python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --inductor max_autotune=True   # Inductor options
     python -m scripts.bench_decode --device cpu --model tiny --ctx 64 --n 4 --batch 1   # smoke test
 
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
@@ -25,6 +26,7 @@ step launches and their summed time: kernel time well below ms/token means the s
 gaps between small kernels rather than on memory.
 """
 import argparse
+import ast
 import gc
 import statistics
 import tempfile
@@ -32,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch._inductor.config as inductor_config
 
 from model.gpt import GPT
 from model.hf.convert import export_hf, read_hf_model, write_imported_run
@@ -61,8 +64,15 @@ def parse(argv=None):
                    "torch.compile'd, then captured; compiling takes a minute per batch and context)")
     p.add_argument("--profile", action="store_true", help=f"trace {PROFILED_STEPS} steps of each of our modes "
                    "(CUDA): kernels per step, their time, the costliest kernels")
+    p.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="torch._inductor.config settings for the compiled step, e.g. max_autotune=True "
+                   "coordinate_descent_tuning=True (values are Python literals)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        args.inductor = inductor_settings(args.inductor)
+    except ValueError as e:
+        p.error(f"--inductor: {e}")
     if args.n < 2:
         p.error("--n must be >= 2: a time per token needs two tokens")
     if args.profile and args.n <= SKIPPED_STEPS + 1 + PROFILED_STEPS:
@@ -72,6 +82,20 @@ def parse(argv=None):
     if bad:
         p.error(f"--ctx {bad} must exceed --n {args.n}: the prompt is ctx - n tokens")
     return args
+
+
+def inductor_settings(items):
+    """{key: value} of KEY=VALUE strings, each key a torch._inductor.config setting."""
+    settings = {}
+    for item in items:
+        key, eq, text = item.partition("=")
+        if not eq or not hasattr(inductor_config, key):
+            raise ValueError(f"{item!r} is not KEY=VALUE with KEY a torch._inductor.config setting")
+        try:
+            settings[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise ValueError(f"{item!r}: the value must be a Python literal (True, 4, 'name')") from None
+    return settings
 
 
 def build_model(args, device, dtype):
@@ -193,6 +217,8 @@ def load_hf(path, device, dtype):
 
 def main(argv=None):
     args = parse(argv)
+    for key, value in args.inductor.items():     # process-wide: every compiled step of this run
+        setattr(inductor_config, key, value)
     device = choose_device(args.device)
     dtype = choose_dtype("auto", device)
     model, name = build_model(args, device, dtype)
@@ -202,7 +228,8 @@ def main(argv=None):
     if args.profile and not graph:
         raise SystemExit("--profile traces GPU kernels: it needs a CUDA GPU (--device cuda)")
     print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, {str(dtype).removeprefix('torch.')} on {device}; "
-          f"bound at {args.bandwidth_gbs:g} GB/s (--bandwidth-gbs; 3350 GB/s: H100 SXM)")
+          f"bound at {args.bandwidth_gbs:g} GB/s (--bandwidth-gbs; 3350 GB/s: H100 SXM)"
+          + "".join(f"; inductor {k}={v!r}" for k, v in args.inductor.items()))
     if not graph:
         print(f"no CUDA graph on {device.type}: eager rows only")
     hf_model = None

@@ -113,6 +113,8 @@ case "${1:-tests}" in
   decode)  BW=3350; nvidia-smi -L | grep -q H200 && BW=4800      # the bound at this card's HBM bandwidth
            python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_profile.log" | tail -40
+           python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW \
+             --inductor max_autotune=True coordinate_descent_tuning=True 2>&1 | tee "$OUT/decode_autotune.log" | tail -14
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
            python -m scripts.bench_decode --hf /tmp/hf360 --compiled --bandwidth-gbs $BW 2>&1 | tee "$OUT/bench_decode.log" | tail -18
            for m in fox_pro_360M castle_paper_M; do

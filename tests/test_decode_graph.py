@@ -18,6 +18,7 @@ from model.cache import WindowCache
 from model.gpt import ATTENTIONS, GPT
 from model.recurrent import RecurrentCache
 from model.sampling import GraphedDecodeStep
+from scripts import bench_decode
 from tests.test_entry_errors import compose_config, error_of
 from tests.test_model import GPT2, LLAMA, PRO, tiny
 
@@ -343,11 +344,26 @@ def run_bench_decode(*args):
                           cwd=root, capture_output=True, text=True, timeout=600)
 
 
-def test_bench_decode_profile_is_checked_before_any_work():
-    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "8", "--profile")
-    assert out.returncode == 2 and "--n must exceed 12" in out.stderr, out.stderr
-    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "20", "--profile")
-    assert out.returncode != 0 and "needs a CUDA GPU" in out.stderr, out.stderr
+@pytest.mark.parametrize("args, says", [
+    (["--n", "8", "--profile"], "--n must exceed 12"),
+    (["--inductor", "max_autotun=True"], "'max_autotun=True' is not KEY=VALUE"),
+    (["--inductor", "max_autotune"], "'max_autotune' is not KEY=VALUE"),
+    (["--inductor", "max_autotune=yes"], "'max_autotune=yes': the value must be a Python literal")])
+def test_bench_decode_options_are_checked_before_any_work(args, says, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench_decode.parse(["--device", "cpu", "--model", "tiny", "--ctx", "64", "--n", "4", *args])
+    assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_bench_decode_profile_needs_a_gpu():
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        bench_decode.main(["--device", "cpu", "--model", "tiny", "--ctx", "64", "--n", "20", "--batch", "1",
+                           "--profile"])
+
+
+def test_bench_decode_inductor_settings_are_literals():
+    assert bench_decode.inductor_settings(["max_autotune=True", "coordinate_descent_tuning=False"]) == {
+        "max_autotune": True, "coordinate_descent_tuning": False}
 
 
 @pytest.mark.gpu
