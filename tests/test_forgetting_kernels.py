@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import kernels.forgetting.triton as fox_triton
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
 from kernels.forgetting.triton import MAX_BLOCK, gate_grad, split_c
-from kernels.triton_utils import interpreting
+from kernels.triton_utils import interpreting, triton
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 # every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
@@ -376,6 +376,31 @@ def test_gpu_real_shape_bf16(D, decay):
     q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, decay)
     o, grads, do = run(q, k, v, log_fgate)
     o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
+    check(o, grads, o_ref, grads_ref, 1e-2)
+
+
+# every tile config the autotuner may pick (another GPU, shape or Triton version may pick any of them)
+TUNED = ([("fwd", i) for i in range(len(getattr(fox_triton, "FWD_CONFIGS", ())))]
+         + [("bwd", i) for i in range(len(getattr(fox_triton, "BWD_CONFIGS", ())))])
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("D,window", [(64, None), (128, 300)])
+@pytest.mark.parametrize("which,index", TUNED, ids=[f"{w}{i}" for w, i in TUNED])
+def test_gpu_every_tuned_config(monkeypatch, which, index, D, window):
+    """One autotune config alone (the other pass on its first config), bf16, gated, L = 1100 (padded), with
+    and without a window that cuts tiles, against the fp32 reference."""
+    configs = {"fwd": [fox_triton.FWD_CONFIGS[0]], "bwd": [fox_triton.BWD_CONFIGS[0]]}
+    configs[which] = [(fox_triton.FWD_CONFIGS if which == "fwd" else fox_triton.BWD_CONFIGS)[index]]
+    monkeypatch.setattr(fox_triton, "fwd_tuned", triton.autotune(configs["fwd"], key=fox_triton.TUNING_KEY)(
+        fox_triton.fwd_kernel))
+    monkeypatch.setattr(fox_triton, "bwd_tuned", triton.autotune(configs["bwd"], key=fox_triton.TUNING_KEY)(
+        fox_triton.bwd_kernel))
+    q, k, v, log_fgate = make_inputs(1, 4, 1100, D, torch.bfloat16, "mixed")
+    o, grads, do = run(q, k, v, log_fgate, window=window)
+    o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), window=window,
+                              impl="torch")
     check(o, grads, o_ref, grads_ref, 1e-2)
 
 
