@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels on/off, against plain PyTorch
 #   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: default vs packed, aligned SwiGLU
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
+#   bash scripts/gpu_session.sh tiles                # FoX: every autotune config's GPU test, then the times vs cuDNN (tuner's picks)
 #   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
 #   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves of Baseline-XL
@@ -52,6 +53,9 @@ case "${1:-tests}" in
              python -m scripts.bench_memory --models $args --modes none full --steps 2 --warmup 1 2>&1 \
                | tee -a "$OUT/bench_memory.log" | tail -6
            done ;;
+  tiles)   python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py -k every_tuned_config 2>&1 \
+             | tee "$OUT/pytest_tiles.log" | tail -4
+           python -m scripts.bench_forgetting --D 64 128 --show-tuning 2>&1 | tee "$OUT/bench_forgetting.log" | tail -30 ;;
   kernels) python -m scripts.bench_forgetting --L 2048 16384 2>&1 | tee "$OUT/bench_forgetting.log" | tail -12
            timeout 300 python -m scripts.bench_forgetting --window 2048 --L 4096 16384 --D 64 128 2>&1 \
              | tee "$OUT/bench_swa.log" | tail -16
