@@ -5,6 +5,7 @@
 #   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
 #   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels on/off, against plain PyTorch
+#   bash scripts/gpu_session.sh autotune             # Baseline-S compiled with max-autotune (Triton matmul templates) vs plain PyTorch
 #   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: default vs packed, aligned SwiGLU
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
 #   bash scripts/gpu_session.sh tiles                # FoX: every autotune config's GPU test, then the times vs cuDNN (tuner's picks)
@@ -47,6 +48,9 @@ case "${1:-tests}" in
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
   fused)   python -m scripts.bench_train --models baseline_paper_S --fused none default loss=chunked,swiglu=packed loss=chunked,norm all \
              --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
+  autotune) python -m scripts.bench_train --models baseline_paper_S --fused default loss=chunked,swiglu=packed \
+             --compile-mode max-autotune-no-cudagraphs --steps 15 --plain .whl/plain_llama_step.py 2>&1 \
+             | tee "$OUT/bench_autotune.log" | tail -8 ;;
   mfu)     python -m scripts.bench_train --models baseline_paper_M transformer_llama_360M \
              --fused default loss=chunked,swiglu=packed --steps 10 2>&1 | tee "$OUT/bench_mfu.log" | tail -8 ;;
   memory)  for args in "baseline_paper_S castle_paper_M --batch 8" "fox_pro_360M --batch 1" "baseline_paper_XL --batch 8"; do
