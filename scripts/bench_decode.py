@@ -27,6 +27,7 @@ gaps between small kernels rather than on memory.
 """
 import argparse
 import ast
+import functools
 import gc
 import statistics
 import tempfile
@@ -66,7 +67,7 @@ def parse(argv=None):
                    "(CUDA): kernels per step, their time, the costliest kernels")
     p.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
                    help="torch._inductor.config settings for the compiled step, e.g. max_autotune=True "
-                   "coordinate_descent_tuning=True (values are Python literals)")
+                   "combo_kernels=True triton.enable_pdl=True (values are Python literals)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     try:
@@ -85,11 +86,13 @@ def parse(argv=None):
 
 
 def inductor_settings(items):
-    """{key: value} of KEY=VALUE strings, each key a torch._inductor.config setting."""
+    """{key: value} of KEY=VALUE strings, each key a torch._inductor.config setting (dotted for its
+    sub-configs, e.g. triton.enable_pdl)."""
+    known = inductor_config.get_config_copy()
     settings = {}
     for item in items:
         key, eq, text = item.partition("=")
-        if not eq or not hasattr(inductor_config, key):
+        if not eq or key not in known:
             raise ValueError(f"{item!r} is not KEY=VALUE with KEY a torch._inductor.config setting")
         try:
             settings[key] = ast.literal_eval(text)
@@ -218,7 +221,8 @@ def load_hf(path, device, dtype):
 def main(argv=None):
     args = parse(argv)
     for key, value in args.inductor.items():     # process-wide: every compiled step of this run
-        setattr(inductor_config, key, value)
+        *parents, name = key.split(".")
+        setattr(functools.reduce(getattr, parents, inductor_config), name, value)
     device = choose_device(args.device)
     dtype = choose_dtype("auto", device)
     model, name = build_model(args, device, dtype)

@@ -17,7 +17,8 @@
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
-#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile, eager vs graph vs transformers, its GPU tests
+#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile, Inductor options, eager vs graph vs transformers
+#   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
@@ -121,15 +122,20 @@ case "${1:-tests}" in
   decode)  BW=3350; nvidia-smi -L | grep -q H200 && BW=4800      # the bound at this card's HBM bandwidth
            python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_profile.log" | tail -40
-           python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW \
-             --inductor max_autotune=True coordinate_descent_tuning=True 2>&1 | tee "$OUT/decode_autotune.log" | tail -14
+           # Inductor options against per-kernel latency: horizontal fusion, programmatic dependent launch,
+           # Triton matmul templates; one setting per run (each compiles the step anew)
+           for opts in "combo_kernels=True" "triton.enable_pdl=True" "max_autotune=True coordinate_descent_tuning=True"; do
+             python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW \
+               --inductor $opts 2>&1 | tee -a "$OUT/decode_inductor.log" | grep -E "compiled|kernels per step"
+           done
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
-           python -m scripts.bench_decode --hf /tmp/hf360 --compiled --bandwidth-gbs $BW 2>&1 | tee "$OUT/bench_decode.log" | tail -18
+           python -m scripts.bench_decode --hf /tmp/hf360 --compiled --bandwidth-gbs $BW 2>&1 | tee "$OUT/bench_decode.log" | tail -18 ;;
+  decodetests)   # the other variants' compiled steps, then the GPU tests (fla autotunes for minutes: the recurrent ones last)
+           BW=3350; nvidia-smi -L | grep -q H200 && BW=4800
            for m in fox_pro_360M castle_paper_M; do
              python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled --bandwidth-gbs $BW 2>&1 \
-               | tee -a "$OUT/bench_decode.log" | tail -5
+               | tee -a "$OUT/bench_decode_variants.log" | tail -5
            done
-           # fla autotunes for minutes: the recurrent variants' tests last
            python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "not (mamba2 or hgrn2 or deltanet)" 2>&1 \
              | tee "$OUT/pytest_decode.log" | tail -4
            python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "mamba2 or hgrn2 or deltanet" 2>&1 \

@@ -361,9 +361,17 @@ def test_bench_decode_profile_needs_a_gpu():
                            "--profile"])
 
 
-def test_bench_decode_inductor_settings_are_literals():
-    assert bench_decode.inductor_settings(["max_autotune=True", "coordinate_descent_tuning=False"]) == {
-        "max_autotune": True, "coordinate_descent_tuning": False}
+def test_bench_decode_applies_inductor_settings(monkeypatch, capsys):
+    """KEY=VALUE literals, dotted keys for Inductor's sub-configs; set for the run and named in its header."""
+    import torch._inductor.config as inductor_config
+    monkeypatch.setattr(inductor_config, "coordinate_descent_tuning", False)   # restored after the test
+    monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)
+    assert bench_decode.inductor_settings(["coordinate_descent_tuning=True", "triton.enable_pdl=True"]) == {
+        "coordinate_descent_tuning": True, "triton.enable_pdl": True}
+    bench_decode.main(["--device", "cpu", "--model", "tiny", "--ctx", "32", "--n", "3", "--batch", "1",
+                       "--inductor", "coordinate_descent_tuning=True", "triton.enable_pdl=True"])
+    assert inductor_config.coordinate_descent_tuning is True and inductor_config.triton.enable_pdl is True
+    assert "inductor triton.enable_pdl=True" in capsys.readouterr().out
 
 
 @pytest.mark.gpu
