@@ -224,13 +224,13 @@ def main(argv=None):
         *parents, name = key.split(".")
         setattr(functools.reduce(getattr, parents, inductor_config), name, value)
     device = choose_device(args.device)
+    graph = device.type == "cuda"
+    if args.profile and not graph:
+        raise SystemExit("--profile traces GPU kernels: it needs a CUDA GPU (--device cuda)")
     dtype = choose_dtype("auto", device)
     model, name = build_model(args, device, dtype)
     if args.export_hf:
         return export_random(model, args.export_hf)
-    graph = device.type == "cuda"
-    if args.profile and not graph:
-        raise SystemExit("--profile traces GPU kernels: it needs a CUDA GPU (--device cuda)")
     print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, {str(dtype).removeprefix('torch.')} on {device}; "
           f"bound at {args.bandwidth_gbs:g} GB/s (--bandwidth-gbs; 3350 GB/s: H100 SXM)"
           + "".join(f"; inductor {k}={v!r}" for k, v in args.inductor.items()))
