@@ -38,6 +38,7 @@ OUT=${OUT:-gpu_logs}; mkdir -p "$OUT"
 export PYTHONPATH=/tmp/site:.whl/liger
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/env.txt"; git log --oneline -1 >> "$OUT/env.txt"
+BW=3350; nvidia-smi -L | grep -q H200 && BW=4800   # the decode stages' bound: this card's HBM bandwidth, GB/s
 for f in .gpu_data/*/*.xz; do [ -f "$f" ] && [ ! -f "${f%.xz}" ] && xz -dk -T8 "$f"; done
 case "${1:-tests}" in
   setup)   ;;   # the wheels and the data only, before stages run side by side
@@ -119,8 +120,7 @@ case "${1:-tests}" in
              compare_XS:model.attention_window=256 compare_XS:model=castle \
              compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
              compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS} 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
-  decode)  BW=3350; nvidia-smi -L | grep -q H200 && BW=4800      # the bound at this card's HBM bandwidth
-           python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW 2>&1 \
+  decode)  python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_profile.log" | tail -40
            # Inductor options against per-kernel latency: horizontal fusion, programmatic dependent launch,
            # Triton matmul templates; one setting per run (each compiles the step anew)
@@ -131,7 +131,6 @@ case "${1:-tests}" in
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
            python -m scripts.bench_decode --hf /tmp/hf360 --compiled --bandwidth-gbs $BW 2>&1 | tee "$OUT/bench_decode.log" | tail -18 ;;
   decodetests)   # the other variants' compiled steps, then the GPU tests (fla autotunes for minutes: the recurrent ones last)
-           BW=3350; nvidia-smi -L | grep -q H200 && BW=4800
            for m in fox_pro_360M castle_paper_M; do
              python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled --bandwidth-gbs $BW 2>&1 \
                | tee -a "$OUT/bench_decode_variants.log" | tail -5
@@ -142,5 +141,5 @@ case "${1:-tests}" in
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | mfu | memory | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare"; exit 2 ;;
 esac

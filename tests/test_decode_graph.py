@@ -323,11 +323,14 @@ def test_sample_cuda_graph_defaults_off():
 
 # ----------------------------------------------------------------------------- the benchmark
 
-def test_bench_decode_smoke():
+def run_bench_decode(*args):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "scripts.bench_decode", "--device", "cpu", "--model", "tiny",
-                          "--ctx", "64", "--n", "4", "--batch", "1"], cwd=root, capture_output=True, text=True,
-                         timeout=300)
+    return subprocess.run([sys.executable, "-m", "scripts.bench_decode", "--model", "tiny", "--batch", "1", *args],
+                          cwd=root, capture_output=True, text=True, timeout=600)
+
+
+def test_bench_decode_smoke():
+    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "4")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| batch"))
@@ -336,12 +339,6 @@ def test_bench_decode_smoke():
     assert "3350 GB/s" in out.stdout and "no CUDA graph on cpu" in out.stdout
     ms = float(rows[0].split("|")[5])
     assert ms > 0
-
-
-def run_bench_decode(*args):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return subprocess.run([sys.executable, "-m", "scripts.bench_decode", "--model", "tiny", "--batch", "1", *args],
-                          cwd=root, capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.parametrize("args, says", [

@@ -391,12 +391,10 @@ TUNED = ([("fwd", i) for i in range(len(getattr(fox_triton, "FWD_CONFIGS", ())))
 def test_gpu_every_tuned_config(monkeypatch, which, index, D, window):
     """One autotune config alone (the other pass on its first config), bf16, gated, L = 1100 (padded), with
     and without a window that cuts tiles, against the fp32 reference."""
-    configs = {"fwd": [fox_triton.FWD_CONFIGS[0]], "bwd": [fox_triton.BWD_CONFIGS[0]]}
-    configs[which] = [(fox_triton.FWD_CONFIGS if which == "fwd" else fox_triton.BWD_CONFIGS)[index]]
-    monkeypatch.setattr(fox_triton, "fwd_tuned", triton.autotune(configs["fwd"], key=fox_triton.TUNING_KEY)(
-        fox_triton.fwd_kernel))
-    monkeypatch.setattr(fox_triton, "bwd_tuned", triton.autotune(configs["bwd"], key=fox_triton.TUNING_KEY)(
-        fox_triton.bwd_kernel))
+    for name, configs, kernel in (("fwd", fox_triton.FWD_CONFIGS, fox_triton.fwd_kernel),
+                                  ("bwd", fox_triton.BWD_CONFIGS, fox_triton.bwd_kernel)):
+        chosen = configs[index if name == which else 0]
+        monkeypatch.setattr(fox_triton, f"{name}_tuned", triton.autotune([chosen], key=fox_triton.TUNING_KEY)(kernel))
     q, k, v, log_fgate = make_inputs(1, 4, 1100, D, torch.bfloat16, "mixed")
     o, grads, do = run(q, k, v, log_fgate, window=window)
     o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), window=window,
