@@ -22,7 +22,7 @@ t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 
          torch.distributed is initialised (one process otherwise); a group of one rank gives exactly
          the local result and no collective. Caches call RoundRobinRows.merged_attention, which never
          communicates without a group of their own.
-  attn_partial(q, k, v, *, scale=None, bias=None, impl="auto") -> (out, lse), fp32:
+  attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None) -> (out, lse), fp32:
       the local step, over the given keys only. Empty or fully masked rows: out 0, lse NEG.
   tree_merge(out, lse, group=None, *, combine="gather") -> (out, lse) merged over the group.
       combine="paper":  all-reduce MAX of lse, then SUM of numerators and SUM of denominators;
@@ -94,11 +94,13 @@ def _peer(group, group_rank):
 
 # ----------------------------------------------------------------------------- local attention
 
-def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto"):
+def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None):
     """Local step: softmax(scale * q k^T + bias) v over the given keys, and its log-sum-exp.
 
     Returns (out (B, Hq, n, D), lse (B, Hq, n)) in fp32 (fp64 for fp64 inputs).
     impl: "torch" (reference), "triton" (split-KV flash-decoding kernel), "auto" (Triton on CUDA).
+    length: None, or a (1,) integer tensor on the keys' device: only the first `length` keys count (a static
+    decode step's filled rows, read on the device); the kernel skips the tiles past it, torch masks them.
     """
     B, Hq, n, D = q.shape
     Hkv, t = k.shape[1], k.shape[2]
@@ -110,7 +112,10 @@ def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto"):
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton is not None and stat == torch.float32 else "torch"
     if impl == "triton":
-        return attn_partial_triton(q, k, v, scale, bias)
+        return attn_partial_triton(q, k, v, scale, bias, length=length)
+    if length is not None:
+        past = torch.arange(t, device=k.device) >= length
+        bias = torch.where(past, float("-inf"), 0.0 if bias is None else bias)
     return _attn_partial_torch(q, k, v, scale, bias, stat)
 
 
@@ -298,13 +303,15 @@ class RoundRobinRows:
         """Global positions of the local rows first_row .. n_local - 1."""
         return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.device)
 
-    def merged_attention(self, q, k, v, *, scale=None, bias=None):
+    def merged_attention(self, q, k, v, *, scale=None, bias=None, length=None):
         """Attention of the replicated queries over the rows k, v held here merged with every other rank's
         (tree_decode over the cache's group); an unsharded cache attends to its own rows with no collective,
-        also in a process that belongs to a process group (rank 0 sampling alone after multi-GPU training)."""
+        also in a process that belongs to a process group (rank 0 sampling alone after multi-GPU training).
+        length: a static step's filled rows (attn_partial); unsharded caches only, as static steps are."""
         if self.group is None:
-            out, _ = attn_partial(q, k, v, scale=scale, bias=bias)
+            out, _ = attn_partial(q, k, v, scale=scale, bias=bias, length=length)
             return out.to(q.dtype)
+        assert length is None, "static steps take unsharded caches only (to_static refuses a group)"
         return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias)
 
 
@@ -355,10 +362,10 @@ if triton is not None:
     def _decode_kernel(Q, K, V, Bias, Out, LSE,
                        sqb, sqh, sqn, skb, skh, skl, svb, svh, svl,
                        sbb, sbh, sbn, sbl, sob, soh, son, sos, slb, slh, sln, sls,
-                       Hkv, n, rows_per_kv, L, scale: tl.constexpr,
+                       Hkv, n, rows_per_kv, L, Len, scale: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PREC: tl.constexpr):
+                       HAS_LEN: tl.constexpr, PREC: tl.constexpr):
         # one program: one split of the keys x one KV head x a block of its query rows;
         # a row is (query head of the group, query token), so K/V tiles are read once per group
         split, bh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -371,27 +378,32 @@ if triton is not None:
         d_ok = d < D
         q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqn + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        keys = L
+        if HAS_LEN:  # a static step's filled rows, read on the device: tiles past them are skipped
+            keys = tl.minimum(tl.load(Len).to(tl.int32), L)
         m_i = tl.full([BLOCK_M], _NEG, tl.float32)  # finite start: all-masked tiles give p = 0
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for it in range(TILES):  # constexpr trip count (see attn_partial_triton)
-            j = (split * TILES + it) * BLOCK_N + tl.arange(0, BLOCK_N)
-            j_ok = j < L
-            kv_mask = j_ok[:, None] & d_ok[None, :]
-            jl = j.to(tl.int64)[:, None]
-            k = tl.load(K + b * skb + hk * skh + jl * skl + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-            if HAS_BIAS:
-                s += tl.load(Bias + b * sbb + h[:, None] * sbh + i[:, None] * sbn + j[None, :] * sbl,
-                             mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-            s = tl.where(j_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(V + b * svb + hk * svh + jl * svl + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            start = (split * TILES + it) * BLOCK_N
+            if start < keys:
+                j = start + tl.arange(0, BLOCK_N)
+                j_ok = j < keys
+                kv_mask = j_ok[:, None] & d_ok[None, :]
+                jl = j.to(tl.int64)[:, None]
+                k = tl.load(K + b * skb + hk * skh + jl * skl + d[None, :], mask=kv_mask, other=0.0)
+                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+                if HAS_BIAS:
+                    s += tl.load(Bias + b * sbb + h[:, None] * sbh + i[:, None] * sbn + j[None, :] * sbl,
+                                 mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+                s = tl.where(j_ok[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                alpha = tl.exp(m_i - m_new)
+                p = tl.exp(s - m_new[:, None])
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + b * svb + hk * svh + jl * svl + d[None, :], mask=kv_mask, other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+                m_i = m_new
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), _NEG)
         tl.store(Out + b * sob + h[:, None] * soh + i[:, None] * son + split * sos + d[None, :], out,
@@ -405,7 +417,7 @@ def _num_sms(device):
 
 
 def attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4,
-                        num_stages=3):
+                        num_stages=3, length=None):
     """attn_partial's Triton path, with the launch's knobs open (tests and scripts/bench_tree.py --sweep)."""
     B, Hq, n, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
@@ -434,9 +446,9 @@ def attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num
         q, k, v, bias if bias is not None else q, o, lse,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bstrides,
         *o.stride()[:4], *lse.stride(),
-        Hkv, n, rows, L, scale,
+        Hkv, n, rows, L, length if length is not None else q, scale,
         D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILES=split_tiles,
-        HAS_BIAS=bias is not None,
+        HAS_BIAS=bias is not None, HAS_LEN=length is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)
     if num_splits == 1:

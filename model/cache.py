@@ -23,7 +23,7 @@ class KVCache(RoundRobinRows):
     counts the positions of all ranks (the same on every rank). Without a group row j is position j.
 
     A static step (`position` set: InferenceCache.to_static) writes its one position at that device
-    index and reads every row; its attention masks the rows past the position.
+    index and reads every row; its attention skips or masks the rows past the position.
     """
 
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
@@ -170,21 +170,22 @@ class WindowCache(RoundRobinRows):
 def attend_rows(q, k, v, c, cache):
     """The T new queries over the rows k, v (FoX: their c) of a cache, masks and FoX's gates as one
     additive bias, by tree attention's split-KV step (kernels/tree.py). A sharded cache: this rank's
-    rows, merged exactly with every other rank's. A static step: every row of the buffer, those past
-    its position masked, so its shapes never change. Positions are global; a single new token sees
-    every cached position, a prefill chunk is causal inside itself (mask_bias). FoX's bias is -c_j
-    taken relative to the stream's newest c, a shift common to all keys that keeps recent keys exact."""
+    rows, merged exactly with every other rank's. A static step: the whole buffer, with the count of
+    filled rows read on the device (attn_partial's length), so its shapes never change. Positions are
+    global; a single new token sees every cached position, a prefill chunk is causal inside itself
+    (mask_bias). FoX's bias is -c_j taken relative to the stream's newest c, a shift common to all keys
+    that keeps recent keys exact."""
     T = q.size(2)
-    bias = None
-    if cache.position is not None:
-        bias = mask_bias(cache.position, torch.arange(cache.capacity, device=q.device))
+    bias, length = None, None
+    if cache.position is not None:  # rows 0 .. position are filled: the kernel skips the tiles past them
+        length = cache.position + 1
     elif T > 1:
         q_pos = torch.arange(cache.length - T, cache.length, device=q.device)
         bias = mask_bias(q_pos, cache.key_positions())
     if c is not None:
         fox = fox_bias(c - cache.c_last)
         bias = fox if bias is None else bias + fox
-    return cache.merged_attention(q, k, v, bias=bias)
+    return cache.merged_attention(q, k, v, bias=bias, length=length)
 
 
 class InferenceCache:

@@ -453,6 +453,33 @@ def test_triton_matches_torch(B, Hq, Hkv, n, D, L, splits, dtype):
     assert (lse.cpu().double() - want_l)[torch.isfinite(want_l)].abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("length,splits,bias", [
+    (1, None, False),     # one filled row
+    (37, 4, True),        # inside a tile, later splits empty; FoX-like bias on top
+    (64, 2, False),       # a tile boundary (the interpreter's 16-key tiles)
+    (150, 3, True),       # every row
+])
+def test_length_counts_only_the_filled_rows(impl, length, splits, bias):
+    """attn_partial(length=...) equals attention over the first `length` keys alone (a static decode step's
+    filled rows): the Triton kernel skips the tiles past them and never reads their values, so NaN there
+    stays out; torch masks them (its callers zero the unwritten rows)."""
+    B, Hq, Hkv, n, D, L = 2, 4, 2, 1, 16, 150
+    q, k, v = (torch.randn(*s, device=DEVICE) for s in ((B, Hq, n, D), (B, Hkv, L, D), (B, Hkv, L, D)))
+    b = torch.randn(B, Hq, n, L, device=DEVICE) if bias else None
+    if impl == "triton":
+        k[:, :, length:], v[:, :, length:] = float("nan"), float("nan")
+    want_o, want_l = ref_attn(q.cpu(), k[:, :, :length].cpu(), v[:, :, :length].cpu(),
+                              b[..., :length].cpu() if bias else None)
+    count = torch.tensor([length], device=DEVICE)
+    if impl == "triton":
+        o, lse = tree.attn_partial_triton(q, k, v, D ** -0.5, b, num_splits=splits, length=count)
+    else:
+        o, lse = attn_partial(q, k, v, bias=b, impl="torch", length=count)
+    assert (o.double().cpu() - want_o).abs().max() < 1e-5
+    assert (lse.double().cpu() - want_l).abs().max() < 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n,bias", [(1, False), (4, True)])
