@@ -408,8 +408,6 @@ if triton is not None:
         _cfg(8, 3, BLOCK_M=128, BLOCK_N=64),
         _cfg(8, 3, BLOCK_M=128, BLOCK_N=128),
         _cfg(4, 4, BLOCK_M=128, BLOCK_N=32),
-        _cfg(4, 3, BLOCK_M=64, BLOCK_N=64),    # candidates at D = 128: half the registers per program
-        _cfg(4, 4, BLOCK_M=64, BLOCK_N=32),
     ]
     BWD_CONFIGS = [
         _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=64, BLOCK_LARGE=128),
@@ -420,8 +418,6 @@ if triton is not None:
         _cfg(8, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=128),
         _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=64),
         _cfg(4, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),
-        _cfg(8, 3, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),   # candidates at D = 128
-        _cfg(8, 2, BLOCK_SMALL=32, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),
     ]
     TUNING_KEY = ["L", "WINDOW", "HEAD_DIM", "DOT_PREC", "GATED", "WINDOWED"]
     fwd_tuned = triton.autotune(FWD_CONFIGS, key=TUNING_KEY)(fwd_kernel)
