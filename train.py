@@ -44,7 +44,7 @@ from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkp
                               remove_stale_temp_files, run_dir_of, save_checkpoint, saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OPTIONS, GPT, GPTConfig
 from model.memory_plan import MEMORY_CHECKS, check_fits, describe, memory_plan
-from model.fp8 import check_fp8_device, convert_to_fp8
+from model.fp8 import check_fp8_config, check_fp8_device, convert_to_fp8
 from model.recurrent import check_trainable
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
                            boolean, entry_point, integer, number, one_of, optional, pair, text)
@@ -449,6 +449,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     check_memory_plan(cfg, model_config, dist_info, accum)
     check_trainable(model_config.attention, device)
     if cfg.train.fp8:
+        check_fp8_config(model_config)
         check_fp8_device(device)
     raw_model = GPT(model_config).to(device)
     recomputed = raw_model.checkpoint_activations(cfg.train.activation_checkpointing,

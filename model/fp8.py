@@ -9,12 +9,15 @@ samples the same with or without fp8.
 Converted: nn.Linear layers of the blocks whose input and output widths are multiples of 16 (the float8
 matmul's requirement), except the fla layers of the recurrent baselines (their kernels read weights
 themselves). Not converted: the output head (the logits feeding the loss stay bf16, as in torchao's
-recipes) and the embeddings.
+recipes) and the embeddings. The SwiGLU runs unfused: its packed path (model.fused_swiglu) multiplies the
+concatenated weights itself, which would bypass Float8Linear.
 """
 import importlib.util
 
 import torch
 import torch.nn as nn
+
+from model.gpt import SwiGLU
 
 FP8_MIN_CAPABILITY = (8, 9)   # float8 tensor cores: Ada, Hopper and newer
 
@@ -33,6 +36,15 @@ def check_fp8_device(device):
         raise ValueError("train.fp8=true runs torchao's Float8Linear: pip install torchao (or set train.fp8=false)")
 
 
+def check_fp8_config(config):
+    """A ValueError naming model.fused_swiglu when it asks for the packed SwiGLU, which bypasses Float8Linear
+    (its "auto" turns to none under fp8: convert_to_fp8)."""
+    if config.fused_swiglu in ("packed", "triton"):
+        raise ValueError(f"train.fp8=true multiplies the SwiGLU's w_gate, w_up and w_down in float8, but "
+                         f"model.fused_swiglu={config.fused_swiglu} concatenates their weights and multiplies them "
+                         "itself: set model.fused_swiglu=auto (or none)")
+
+
 def fp8_layer_names(model):
     """The names of the nn.Linear layers convert_to_fp8 converts (see the module docstring)."""
     return [name for name, module in model.named_modules()
@@ -47,4 +59,7 @@ def convert_to_fp8(model):
 
     names = set(fp8_layer_names(model))
     convert_to_float8_training(model, module_filter_fn=lambda module, name: name in names)
+    for module in model.modules():
+        if isinstance(module, SwiGLU):
+            module.fused = "none"   # the unfused path calls w_gate, w_up and w_down, now Float8Linear
     return sorted(names)

@@ -77,10 +77,10 @@ class GPTConfig:
     output_norm: bool = False           # per-head RMSNorm of the attention output (Pro, eq 23)
     # Fused kernels (kernels/fused): how the model computes, not what (outputs and gradients match the unfused path
     # to rounding); off is the unfused reference path
-    fused_loss: str = "auto"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits |
-                                        # "auto": chunked on CUDA, none elsewhere (fused_loss_impl)
-    fused_norm: bool = False            # Triton RMSNorm; the block's attention residual add fused into its MLP norm
-    fused_swiglu: str = "none"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
+    fused_loss: str = "auto"            # "none" | "chunked" | "liger": linear + cross-entropy without the full logits
+    fused_norm: bool | str = "auto"     # true: Triton RMSNorm, the block's attention residual add fused into its MLP norm
+    fused_swiglu: str = "auto"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
+                                        # "auto" (each): fused on CUDA, unfused elsewhere (fused_setting)
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
     # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
@@ -155,13 +155,15 @@ class GPTConfig:
                              f"do not drop); set model.dropout=0 (got {self.dropout})")
 
     def _check_fused(self):
-        for name, allowed in [("fused_loss", LOSS_CHOICES), ("fused_swiglu", FUSED_SWIGLU)]:
+        for name, allowed in [("fused_loss", LOSS_CHOICES), ("fused_norm", (True, False, "auto")),
+                              ("fused_swiglu", FUSED_SWIGLU)]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
-        if self.fused_norm and self.norm != "rmsnorm":
+        # "auto" leaves a LayerNorm or GELU model unfused; only an explicit request is refused
+        if self.fused_norm is True and self.norm != "rmsnorm":
             raise ValueError(f"model.fused_norm=true fuses RMSNorm, but model.norm={self.norm}; "
                              "set model.fused_norm=false")
-        if self.fused_swiglu != "none" and self.mlp != "swiglu":
+        if self.fused_swiglu not in ("none", "auto") and self.mlp != "swiglu":
             raise ValueError(f"model.fused_swiglu={self.fused_swiglu} fuses SwiGLU, but model.mlp={self.mlp}; "
                              "set model.fused_swiglu=none")
 
@@ -196,18 +198,27 @@ class GPTConfig:
 # ----------------------------------------------------------------------------- norms, MLPs
 
 FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # GPTConfig fields that change no result
-FUSED_SWIGLU = ("none", "packed", "triton")
+FUSED_SWIGLU = ("none", "packed", "triton", "auto")
 PACK_ALIGN = 64   # the packed SwiGLU's halves start on multiples of 64 units (SwiGLU)
 LOSS_CHOICES = LOSS_IMPLS + ("auto",)
 
 
-def fused_loss_impl(fused_loss, device_type):
-    """GPTConfig.fused_loss with "auto" resolved for a device: the chunked loss on CUDA (the unfused speed without
-    the (tokens x vocab) logits in memory), the unfused one elsewhere (on CPU the chunked loss's passes over
-    its fp32 chunks make a small model's step about 1.5x slower)."""
-    if fused_loss != "auto":
-        return fused_loss
-    return "chunked" if device_type == "cuda" else "none"
+# Each fused option's setting on and off; "auto" picks between them (fused_setting)
+FUSED_ON = {"fused_loss": "chunked", "fused_norm": True, "fused_swiglu": "triton"}
+FUSED_OFF = {"fused_loss": "none", "fused_norm": False, "fused_swiglu": "none"}
+
+
+def fused_setting(name, value, device_type, grad=True):
+    """GPTConfig's fused option `name` (one of FUSED_OPTIONS) set to `value`, with "auto" resolved: on for a CUDA
+    pass, the fastest combination measured (docs/results.md, "Fused kernels"); off elsewhere (on CPU the chunked
+    loss's fp32 chunk passes make a small model's step about 1.5x slower, and the Triton kernels would only run
+    their torch references). The norm and SwiGLU kernels also need `grad` (autograd on): the packed SwiGLU
+    concatenates the MLP weights on every call, which a training step's thousands of tokens amortize and a
+    decode step's one token does not; the chunked loss saves the logits' memory in any pass."""
+    if value != "auto":
+        return value
+    on = device_type == "cuda" and (grad or name == "fused_loss")
+    return (FUSED_ON if on else FUSED_OFF)[name]
 
 
 class RMSNorm(nn.Module):
@@ -219,8 +230,12 @@ class RMSNorm(nn.Module):
         self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def uses_kernel(self, x):
+        """Whether x is normed by the Triton kernels (`fused` true, or "auto" in a CUDA training pass)."""
+        return fused_setting("fused_norm", self.fused, x.device.type, torch.is_grad_enabled())
+
     def forward(self, x):
-        if self.fused:
+        if self.uses_kernel(x):
             return rms_norm(x, self.weight, self.eps, autocast_dtype(x))
         return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
@@ -236,7 +251,7 @@ def add_and_norm(x, y, norm):
     input to the next branch; one Triton pass where the norm is a fused RMSNorm."""
     if y is None:
         return x, norm(x)
-    if isinstance(norm, RMSNorm) and norm.fused:
+    if isinstance(norm, RMSNorm) and norm.uses_kernel(x):
         return add_rms_norm(x, y, norm.weight, norm.eps, autocast_dtype(x))
     x = x + y
     return x, norm(x)
@@ -282,13 +297,14 @@ class SwiGLU(nn.Module):
         self.pad = -hidden % PACK_ALIGN
 
     def forward(self, x):
-        if self.fused == "none":
+        fused = fused_setting("fused_swiglu", self.fused, x.device.type, torch.is_grad_enabled())
+        if fused == "none":
             return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
         weight = torch.cat([F.pad(w, (0, 0, 0, self.pad)) for w in (self.w_gate.weight, self.w_up.weight)])
         bias = (torch.cat([F.pad(b, (0, self.pad)) for b in (self.w_gate.bias, self.w_up.bias)])
                 if self.w_gate.bias is not None else None)
         gate_up = F.linear(x, weight, bias)
-        h = swiglu(gate_up) if self.fused == "triton" else fused_reference.swiglu(gate_up)
+        h = swiglu(gate_up) if fused == "triton" else fused_reference.swiglu(gate_up)
         return F.linear(h, F.pad(self.w_down.weight, (0, self.pad)), self.w_down.bias)
 
 
@@ -747,7 +763,7 @@ class GPT(nn.Module):
         _, x = add_and_norm(x, y, self.norm_f)
         if last_only:
             x = x[:, -1:]
-        fused_loss = fused_loss_impl(self.config.fused_loss, x.device.type)
+        fused_loss = fused_setting("fused_loss", self.config.fused_loss, x.device.type)
         if targets is not None and fused_loss != "none":
             return None, linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                               ignore_index=-1, impl=fused_loss)

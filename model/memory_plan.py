@@ -60,7 +60,7 @@ import torch
 
 from kernels.fused.cross_entropy import DEFAULT_CHUNK
 from kernels.triton_utils import padded_head_dim
-from model.gpt import GPT, fused_loss_impl, mlp_hidden_size
+from model.gpt import GPT, fused_setting, mlp_hidden_size
 
 GiB = 2 ** 30
 CUDA_CONTEXT_BYTES = GiB      # CUDA context (~0.5 GiB) + cuBLAS / cuDNN workspaces + fragmentation
@@ -193,7 +193,7 @@ def last_recompute_bytes(flags, kept_block, block_input, recompute, grads):
 
 def logits_bytes(c, B, T, a, compiled, device_type):
     """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
-    if fused_loss_impl(c.fused_loss, device_type) != "none":
+    if fused_setting("fused_loss", c.fused_loss, device_type) != "none":
         # one chunk in flight: eager, its logits, logits - lse, probabilities, the target mask, probs - 1 and
         # the masked gradient (measured on CPU: 17-18 bytes per element); compiled, inductor fuses the
         # elementwise ops down to fp32 logits, probabilities and the gradient (measured on an H200)

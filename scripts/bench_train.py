@@ -24,9 +24,9 @@ alike. Rows give the median tokens/s over the rounds and their range, and each m
 the first model, round by round (median and range). Peak memory then includes the other resident models.
 
 --fused runs every model once per spec of the fused kernels (GPTConfig.fused_*; rows "MODEL +SPEC"): "default" (the
-config's own settings: fused_loss=auto), "none", "all" (loss=chunked,norm,swiglu=triton) or a comma list of
+config's own settings: each option auto, i.e. all on CUDA), "none", "all" (loss=chunked,norm,swiglu=triton) or a comma list of
 loss=chunked|liger, norm, swiglu=packed|triton (swiglu alone: triton); a spec other than default turns on only its
-items (model.fused_loss=none unless it names loss). --plain PATH first runs that yardstick script (a plain PyTorch LLaMA, plain_llama_step.py) in a
+items (the others none / false). --plain PATH first runs that yardstick script (a plain PyTorch LLaMA, plain_llama_step.py) in a
 subprocess at each distinct shape of the models (layers, width, width / head_dim heads, vocabulary, context,
 micro-batch), prints its rows, and adds each model's tokens/s relative to the yardstick of its shape; with
 --rounds > 1 the yardstick runs again after the models, and the ratio takes the mean of its two runs.
@@ -46,7 +46,7 @@ from torch._dynamo.utils import counters
 
 from kernels.fused import LOSS_IMPLS
 from kernels.sdpa import prefer_sdpa_backend
-from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_SWIGLU, GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
 from model.runtime import CONFIG_DIR
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
@@ -75,16 +75,17 @@ def model_config(name, seq_len, overrides=()):
 FUSED_ALL = "loss=chunked,norm,swiglu=triton"
 # --fused item -> (GPTConfig field, its values; the last one is taken when the item has none, "loss" needs one)
 FUSED_ITEMS = {"loss": ("fused_loss", LOSS_IMPLS[1:]), "norm": ("fused_norm", ("true",)),
-               "swiglu": ("fused_swiglu", FUSED_SWIGLU[1:])}
+               "swiglu": ("fused_swiglu", ("packed", "triton"))}
+UNFUSED = {"fused_loss": "none", "fused_norm": "false", "fused_swiglu": "none"}   # not the defaults' auto
 
 
 def fused_overrides(spec):
     """The model overrides of a --fused spec (see the module docstring): none for "default", else every
-    fused kernel off (model.fused_loss=none, not the default auto) but the spec's items; ValueError on an
+    fused kernel off (UNFUSED, not the defaults' auto) but the spec's items; ValueError on an
     unknown item."""
     if spec == "default":
         return []
-    chosen = {"fused_loss": "none"}
+    chosen = dict(UNFUSED)
     for item in ([] if spec == "none" else (FUSED_ALL if spec == "all" else spec).split(",")):
         key, _, value = item.partition("=")
         field, values = FUSED_ITEMS.get(key, (None, ()))

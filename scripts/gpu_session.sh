@@ -4,9 +4,11 @@
 #   bash scripts/gpu_session.sh tests                # the GPU-marked tests of the CASTLE kernels and the whole model
 #   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
-#   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels on/off, against plain PyTorch
+#   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels off / in part / all (default), against plain PyTorch
 #   bash scripts/gpu_session.sh autotune             # Baseline-S compiled with max-autotune (Triton matmul templates) vs plain PyTorch
-#   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: default vs packed, aligned SwiGLU
+#   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: MFU with the default (fused) kernels
+#   [RATIO_MODELS="transformer_pro_125M fox_pro_125M"] bash scripts/gpu_session.sh ratios   # a variant against its
+#                                                    # baseline with the fused defaults (default: Baseline-M, CASTLE-M)
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
 #   bash scripts/gpu_session.sh tiles                # FoX: every autotune config's GPU test, then the times vs cuDNN (tuner's picks)
 #   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
@@ -48,13 +50,15 @@ case "${1:-tests}" in
              tests/test_tree.py tests/test_sharded_decode.py tests/test_fp8.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
            python -m pytest -q -rs tests/test_fused.py 2>&1 | tee "$OUT/pytest_fused.log" | tail -4 ;;
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
-  fused)   python -m scripts.bench_train --models baseline_paper_S --fused none default loss=chunked,swiglu=packed loss=chunked,norm all \
+  fused)   python -m scripts.bench_train --models baseline_paper_S --fused none loss=chunked loss=chunked,swiglu=packed default \
              --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
-  autotune) python -m scripts.bench_train --models baseline_paper_S --fused default loss=chunked,swiglu=packed \
+  autotune) python -m scripts.bench_train --models baseline_paper_S \
              --compile-mode max-autotune-no-cudagraphs --steps 15 --plain .whl/plain_llama_step.py 2>&1 \
              | tee "$OUT/bench_autotune.log" | tail -8 ;;
-  mfu)     python -m scripts.bench_train --models baseline_paper_M transformer_llama_360M \
-             --fused default loss=chunked,swiglu=packed --steps 10 2>&1 | tee "$OUT/bench_mfu.log" | tail -8 ;;
+  mfu)     python -m scripts.bench_train --models baseline_paper_M transformer_llama_360M --steps 10 2>&1 \
+             | tee "$OUT/bench_mfu.log" | tail -8 ;;
+  ratios)  python -m scripts.bench_train --models ${RATIO_MODELS:-baseline_paper_M castle_paper_M} --steps 10 2>&1 \
+             | tee "$OUT/bench_ratios.log" | tail -8 ;;
   memory)  for args in "baseline_paper_S castle_paper_M --batch 8" "fox_pro_360M --batch 1" "baseline_paper_XL --batch 8"; do
              python -m scripts.bench_memory --models $args --modes none full --steps 2 --warmup 1 2>&1 \
                | tee -a "$OUT/bench_memory.log" | tail -6
@@ -141,5 +145,5 @@ case "${1:-tests}" in
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios"; exit 2 ;;
 esac

@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 from test_train import TINY, run
 
-from model.fp8 import FP8_MIN_CAPABILITY, check_fp8_device, convert_to_fp8, fp8_layer_names
+from model.fp8 import FP8_MIN_CAPABILITY, check_fp8_config, check_fp8_device, convert_to_fp8, fp8_layer_names
 from model.gpt import GPT, GPTConfig
 
 
@@ -28,6 +28,7 @@ def test_the_blocks_linear_layers_are_converted_and_the_head_is_not():
     assert len(names) == 2 * 5                                   # qkv, out, SwiGLU gate, up, down per block
     state = {k: v.clone() for k, v in model.state_dict().items()}
     assert convert_to_fp8(model) == sorted(names)
+    assert all(block.mlp.fused == "none" for block in model.blocks)   # the packed path would bypass Float8Linear
     modules = dict(model.named_modules())
     assert all(type(modules[n]) is Float8Linear for n in names) and type(modules["lm_head"]) is nn.Linear
     after = model.state_dict()                                    # checkpoints are unchanged
@@ -52,6 +53,14 @@ def test_fp8_on_cpu_is_refused_before_training(tmp_path):
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt_*"))
     with pytest.raises(ValueError, match="train.fp8=true .* compute capability >= 8.9"):
         check_fp8_device(torch.device("cpu"))
+
+
+def test_fp8_refuses_an_explicitly_packed_swiglu():
+    for packed in ("packed", "triton"):
+        with pytest.raises(ValueError, match=f"model.fused_swiglu={packed} .* set model.fused_swiglu=auto"):
+            check_fp8_config(GPTConfig(**CONFIG, fused_swiglu=packed))
+    for fine in ("auto", "none"):
+        check_fp8_config(GPTConfig(**CONFIG, fused_swiglu=fine))
 
 
 @pytest.mark.gpu

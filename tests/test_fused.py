@@ -195,11 +195,13 @@ def test_rms_norm_rejects_a_mismatched_weight():
 # ----------------------------------------------------------------------------- the model
 
 ALL_FUSED = dict(fused_loss="chunked", fused_norm=True, fused_swiglu="triton")
+UNFUSED = dict(fused_loss="none", fused_norm=False, fused_swiglu="none")   # the reference path on any device
 
 
 def tiny_config(**kw):
+    """A tiny model, unfused unless `kw` says otherwise."""
     base = dict(vocab_size=101, tokenizer_vocab_size=90, block_size=16, n_layer=2, n_head=3, n_embd=42,
-                mlp_hidden=37)
+                mlp_hidden=37, **UNFUSED)
     return GPTConfig(**{**base, **kw})
 
 
@@ -356,7 +358,7 @@ def test_fused_training_follows_the_unfused_loss_curve_gpu():
     def train(**fused):
         torch.manual_seed(0)
         config = GPTConfig(vocab_size=50304, tokenizer_vocab_size=50257, block_size=256, n_layer=4, n_head=4,
-                           n_embd=256, **fused)
+                           n_embd=256, **{**UNFUSED, **fused})
         model = GPT(config).cuda()
         opt = torch.optim.AdamW(model.param_groups(0.1), lr=2e-3, fused=True)
         run = torch.compile(model)
@@ -382,10 +384,13 @@ def test_fused_training_follows_the_unfused_loss_curve_gpu():
 def test_bench_fused_specs_become_model_overrides():
     from scripts.bench_train import fused_overrides
     assert fused_overrides("default") == []
-    assert fused_overrides("none") == ["model.fused_loss=none"]          # not the default auto (chunked on CUDA)
+    unfused = ["model.fused_loss=none", "model.fused_norm=false", "model.fused_swiglu=none"]   # not the defaults' auto
+    assert fused_overrides("none") == unfused
     assert fused_overrides("all") == ["model.fused_loss=chunked", "model.fused_norm=true", "model.fused_swiglu=triton"]
-    assert fused_overrides("loss=liger,swiglu=packed") == ["model.fused_loss=liger", "model.fused_swiglu=packed"]
-    assert fused_overrides("norm") == ["model.fused_loss=none", "model.fused_norm=true"]
+    assert fused_overrides("loss=liger,swiglu=packed") == ["model.fused_loss=liger", "model.fused_norm=false",
+                                                           "model.fused_swiglu=packed"]
+    assert fused_overrides("norm") == ["model.fused_loss=none", "model.fused_norm=true", "model.fused_swiglu=none"]
+    assert fused_overrides("swiglu") == unfused[:2] + ["model.fused_swiglu=triton"]
     for bad in ("fast", "loss", "norm=yes", "loss=chunked,swiglu=fast"):
         with pytest.raises(ValueError, match="--fused"):
             fused_overrides(bad)

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.sdpa import SDPA_BACKENDS, decode_sdpa, prefer_sdpa_backend
-from model.gpt import (ATTENTIONS, GPT, RECURRENT_ATTENTIONS, GPTConfig, apply_rope, fused_loss_impl, keys_per_query,
-                       mlp_hidden_size, rope_tables, split_heads)
+from model.gpt import (ATTENTIONS, FUSED_OPTIONS, GPT, RECURRENT_ATTENTIONS, GPTConfig, apply_rope, fused_setting,
+                       keys_per_query, mlp_hidden_size, rope_tables, split_heads)
 from model.sampling import check_sampling_options, sample_token
 
 LLAMA = dict(norm="rmsnorm", mlp="swiglu", pos="rope", bias=False)
@@ -92,16 +92,27 @@ def test_forward_shapes_and_loss(config):
     assert loss is None and logits.shape == (3, 11, config.vocab_size)
 
 
-def test_fused_loss_auto_is_chunked_on_cuda_only():
-    assert GPTConfig().fused_loss == "auto"
-    assert [fused_loss_impl("auto", d) for d in ("cuda", "cpu", "mps")] == ["chunked", "none", "none"]
-    assert fused_loss_impl("liger", "cpu") == "liger" and fused_loss_impl("none", "cuda") == "none"
-    model = GPT(tiny())                           # auto on CPU: the unfused path, which returns the logits
+def test_fused_options_auto_fuse_on_cuda_only():
+    config = GPTConfig()
+    assert (config.fused_loss, config.fused_norm, config.fused_swiglu) == ("auto", "auto", "auto")
+    on = {"fused_loss": "chunked", "fused_norm": True, "fused_swiglu": "triton"}
+    off = {"fused_loss": "none", "fused_norm": False, "fused_swiglu": "none"}
+    for name in FUSED_OPTIONS:
+        assert [fused_setting(name, "auto", d) for d in ("cuda", "cpu", "mps")] == [on[name], off[name], off[name]]
+        assert fused_setting(name, off[name], "cuda") == off[name] and fused_setting(name, on[name], "cpu") == on[name]
+    # without autograd (decoding, evaluation) only the loss stays fused: a packed SwiGLU would re-pack per token
+    assert [fused_setting(name, "auto", "cuda", grad=False) for name in FUSED_OPTIONS] == ["chunked", False, "none"]
+    assert fused_setting("fused_loss", "liger", "cpu") == "liger"
+    model = GPT(tiny(**LLAMA))                    # auto on CPU: the unfused path, which returns the logits
     idx, targets = torch.randint(0, model.config.vocab_size, (2, 2, 7))
     logits, loss = model(idx, targets)
     assert logits.shape == (2, 7, model.config.vocab_size) and loss.isfinite()
+    assert not model.norm_f.uses_kernel(idx.float())
     with pytest.raises(ValueError, match="fused_loss='fast' is unknown.*auto"):
         GPTConfig(fused_loss="fast")
+    with pytest.raises(ValueError, match="fused_norm='yes' is unknown"):
+        GPTConfig(fused_norm="yes")
+    GPTConfig(norm="layernorm", mlp="gelu")       # auto leaves a LayerNorm / GELU model unfused, no error
 
 
 def test_tied_and_untied_embeddings():
