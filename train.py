@@ -42,7 +42,7 @@ from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkp
                               checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
                               load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
                               remove_stale_temp_files, run_dir_of, save_checkpoint, saved_model_config)
-from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OPTIONS, GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, GPT, NEUTRAL_OPTIONS, GPTConfig
 from model.memory_plan import MEMORY_CHECKS, check_fits, describe, memory_plan
 from model.fp8 import check_fp8_config, check_fp8_device, convert_to_fp8
 from model.recurrent import check_trainable
@@ -325,7 +325,7 @@ def check_same_model(ckpt, model_config, file, overrides):
     GPTConfig, so fields older checkpoints lack compare at their defaults)."""
     saved = config_dict(GPTConfig.from_dict(saved_model_config(ckpt)))
     diff = [f"{k}={saved.get(k)!r} in the checkpoint, {v!r} here" for k, v in config_dict(model_config).items()
-            if saved.get(k) != v and k not in FUSED_OPTIONS]   # kernels may change on resume
+            if saved.get(k) != v and k not in NEUTRAL_OPTIONS]   # kernels may change on resume
     if diff:
         chosen = [o for o, k in zip(overrides, override_keys(overrides))
                   if k.split(".")[0] in SECTION_GROUPS["model"]]

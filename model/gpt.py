@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import forgetting_attn, forgetting_decode
-from kernels.fused import LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu
+from kernels.fused import DEFAULT_CHUNK, LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu
 from kernels.fused import reference as fused_reference
 from kernels.sdpa import decode_sdpa
 from model.cache import InferenceCache, SoftmaxCache, WindowCache, attend_rows
@@ -81,6 +81,8 @@ class GPTConfig:
     fused_norm: bool | str = "auto"     # true: Triton RMSNorm, the block's attention residual add fused into its MLP norm
     fused_swiglu: str = "auto"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
                                         # "auto" (each): fused on CUDA, unfused elsewhere (fused_setting)
+    fused_loss_chunk: int = DEFAULT_CHUNK   # tokens per chunk of the chunked loss: compiled, a chunk in flight takes
+                                            # ~10 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
     # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
@@ -159,6 +161,9 @@ class GPTConfig:
                               ("fused_swiglu", FUSED_SWIGLU)]:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
+        chunk = self.fused_loss_chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"model.fused_loss_chunk={chunk!r} must be a positive number of tokens (default 8192)")
         # "auto" leaves a LayerNorm or GELU model unfused; only an explicit request is refused
         if self.fused_norm is True and self.norm != "rmsnorm":
             raise ValueError(f"model.fused_norm=true fuses RMSNorm, but model.norm={self.norm}; "
@@ -197,7 +202,8 @@ class GPTConfig:
 
 # ----------------------------------------------------------------------------- norms, MLPs
 
-FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # GPTConfig fields that change no result
+FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # the fused kernels' switches (each has "auto")
+NEUTRAL_OPTIONS = FUSED_OPTIONS + ("fused_loss_chunk",)         # GPTConfig fields that change no result
 FUSED_SWIGLU = ("none", "packed", "triton", "auto")
 PACK_ALIGN = 64   # the packed SwiGLU's halves start on multiples of 64 units (SwiGLU)
 LOSS_CHOICES = LOSS_IMPLS + ("auto",)
@@ -766,7 +772,7 @@ class GPT(nn.Module):
         fused_loss = fused_setting("fused_loss", self.config.fused_loss, x.device.type)
         if targets is not None and fused_loss != "none":
             return None, linear_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
-                                              ignore_index=-1, impl=fused_loss)
+                                              ignore_index=-1, impl=fused_loss, chunk_size=self.config.fused_loss_chunk)
         logits = self.lm_head(x)
         loss = None
         if targets is not None:

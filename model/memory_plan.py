@@ -58,7 +58,6 @@ estimate next to the peak measured on a GPU. Not counted: a compiled fp32 loss k
 """
 import torch
 
-from kernels.fused.cross_entropy import DEFAULT_CHUNK
 from kernels.triton_utils import padded_head_dim
 from model.gpt import GPT, fused_setting, mlp_hidden_size
 
@@ -197,7 +196,7 @@ def logits_bytes(c, B, T, a, compiled, device_type):
         # one chunk in flight: eager, its logits, logits - lse, probabilities, the target mask, probs - 1 and
         # the masked gradient (measured on CPU: 17-18 bytes per element); compiled, inductor fuses the
         # elementwise ops down to fp32 logits, probabilities and the gradient (measured on an H200)
-        chunk = min(B * T, DEFAULT_CHUNK) * c.vocab_size
+        chunk = min(B * T, c.fused_loss_chunk) * c.vocab_size
         per_element = 2 * FP32 + a if compiled else 4 * FP32 + 1
         return a * B * T * c.n_embd + FP32 * c.vocab_size * c.n_embd, per_element * chunk
     n = B * T * c.vocab_size

@@ -4,7 +4,7 @@
 #   bash scripts/gpu_session.sh tests                # the GPU-marked tests of the CASTLE kernels and the whole model
 #   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
-#   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels off / in part / all (default), against plain PyTorch
+#   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels off / on (default; loss chunks of 8192 and 4096 tokens) vs plain PyTorch
 #   bash scripts/gpu_session.sh autotune             # Baseline-S compiled with max-autotune (Triton matmul templates) vs plain PyTorch
 #   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: MFU with the default (fused) kernels
 #   [RATIO_MODELS="transformer_pro_125M fox_pro_125M"] bash scripts/gpu_session.sh ratios   # a variant against its
@@ -50,7 +50,7 @@ case "${1:-tests}" in
              tests/test_tree.py tests/test_sharded_decode.py tests/test_fp8.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
            python -m pytest -q -rs tests/test_fused.py 2>&1 | tee "$OUT/pytest_fused.log" | tail -4 ;;
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
-  fused)   python -m scripts.bench_train --models baseline_paper_S --fused none loss=chunked loss=chunked,swiglu=packed default \
+  fused)   python -m scripts.bench_train --models baseline_paper_S baseline_paper_S:model.fused_loss_chunk=4096 --fused none default \
              --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
   autotune) python -m scripts.bench_train --models baseline_paper_S \
              --compile-mode max-autotune-no-cudagraphs --steps 15 --plain .whl/plain_llama_step.py 2>&1 \

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fused import add_rms_norm, linear_cross_entropy, reference, rms_norm, swiglu
+from kernels.fused import add_rms_norm, cross_entropy, linear_cross_entropy, reference, rms_norm, swiglu
 from kernels.fused.cross_entropy import chunked_linear_cross_entropy
 from kernels.fused.op import use_triton
 from model.gpt import GPT, GPTConfig
@@ -281,6 +281,22 @@ def test_gpt_fused_loss_returns_no_logits_and_generation_is_unchanged():
     reference_model.load_state_dict(model.state_dict())
     with torch.no_grad():
         assert rel(model(idx)[0], reference_model(idx)[0]) < 1e-5
+
+
+def test_the_loss_chunk_is_the_models_option(monkeypatch):
+    """model.fused_loss_chunk reaches the chunked loss (a chunk of 5 tokens: four chunks for 18 targets) and
+    changes only the rounding; a bad value is refused naming the option."""
+    state = GPT(tiny_config()).state_dict()
+    idx, targets = torch.randint(0, 90, (2, 9)), targets_with_ignored(18, 101, used_vocab=90).view(2, 9)
+    ref_loss, ref_grads = model_loss_and_grads(tiny_config(), state, idx, targets)
+    calls, real = [], cross_entropy._chunks
+    monkeypatch.setattr(cross_entropy, "_chunks", lambda *a: calls.append(a[4]) or real(*a))
+    loss, grads = model_loss_and_grads(tiny_config(fused_loss="chunked", fused_loss_chunk=5), state, idx, targets)
+    assert calls == [5]
+    assert abs(loss - ref_loss) <= 1e-5 * ref_loss and all(rel(grads[k], ref_grads[k]) < 1e-4 for k in grads)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="model.fused_loss_chunk"):
+            tiny_config(fused_loss_chunk=bad)
 
 
 @pytest.mark.parametrize("bad,match", [(dict(fused_loss="fast"), "model.fused_loss"),

@@ -19,7 +19,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2L
 from data.tokenizer import get_tokenizer
 from evaluation.lm_eval_adapter import data_root
 from model.checkpoint import load_model
-from model.gpt import FUSED_OPTIONS, GPT, GPTConfig, mlp_hidden_size
+from model.gpt import GPT, NEUTRAL_OPTIONS, GPTConfig, mlp_hidden_size
 from model.hf.convert import atomic_dir, checkpoint_dict, read_checkpoint
 from scripts import compare_lm_eval_hf, export_hf, import_hf
 
@@ -179,7 +179,7 @@ def test_custom_config_defaults_are_gptconfigs():
     """modeling_attn_lm.py cannot import model/gpt.py: its copy of GPTConfig's fields must not drift."""
     from model.hf.modeling_attn_lm import MODEL_DEFAULTS
     assert MODEL_DEFAULTS == {f.name: f.default for f in fields(GPTConfig)
-                              if f.name not in ("tie_embeddings", *FUSED_OPTIONS)}   # HF runs unfused
+                              if f.name not in ("tie_embeddings", *NEUTRAL_OPTIONS)}   # HF runs unfused
 
 
 def test_tokenizer_encodes_real_text_like_tiktoken(exported):
