@@ -624,7 +624,8 @@ class CastleAttention(nn.Module):
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
-CUDA_GRAPH_MODES = (False, True, "compiled")   # generate's cuda_graph: off, the eager step captured, the compiled one
+# generate's cuda_graph: off, the eager step captured, the compiled one (and tuned: model/sampling.py COMPILE_OPTIONS)
+CUDA_GRAPH_MODES = (False, True, "compiled", "autotuned")
 for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
     register_attention(_name)(_layer)
 
@@ -826,7 +827,8 @@ class GPT(nn.Module):
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep); CUDA, one device, with the cache; every attention's caches take its static steps
-        (model/cache.py InferenceCache.to_static). "compiled": the step is torch.compile'd before it is captured.
+        (model/cache.py InferenceCache.to_static). "compiled": the step is torch.compile'd before it is captured;
+        "autotuned": with max-autotune (slower to start, faster per token).
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:
@@ -850,7 +852,7 @@ class GPT(nn.Module):
                 for piece in step_input.split(chunk, dim=1):
                     logits, _ = self(piece, cache=cache, last_only=True)
                 if cuda_graph:
-                    graphed = GraphedDecodeStep(self, cache, B, compile=cuda_graph == "compiled")
+                    graphed = GraphedDecodeStep(self, cache, B, compile=None if cuda_graph is True else cuda_graph)
             token = sample_token(logits[:, -1, :n_tokens].float(), temperature, top_k, top_p)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(token, dist.get_global_rank(group, 0), group=group)

@@ -5,6 +5,12 @@ import math
 import torch
 
 
+# Inductor settings of a compiled decode step. "autotuned" adds max-autotune's Triton matmul templates and
+# coordinate-descent tuning of the fused kernels (without Inductor's own CUDA graphs, which would nest in
+# ours): 18% faster at batch 1 (docs/results.md), for minutes of tuning on the first call.
+COMPILE_OPTIONS = {"compiled": {}, "autotuned": {"max_autotune": True, "coordinate_descent_tuning": True}}
+
+
 class GraphedDecodeStep:
     """`model(token, cache)` of one token over a static cache (InferenceCache.to_static), as a CUDA graph:
     token (B, 1) -> logits (B, 1, vocab), a buffer the next call overwrites. The graph is captured once per
@@ -15,13 +21,15 @@ class GraphedDecodeStep:
     PyTorch's CUDA-graph docs require before a capture (cuBLAS workspaces, Triton compilation, autotuning);
     the next call captures the step and replays it, and every later call is one replay.
 
-    compile: the step is torch.compile'd first (Inductor fuses its pointwise ops into fewer kernels; the
-    compilation happens in the first warm-up call), and the graph captures the compiled kernels.
+    compile (a key of COMPILE_OPTIONS, or None): the step is torch.compile'd first (Inductor fuses its
+    pointwise ops into fewer kernels; the compilation happens in the first warm-up call), and the graph
+    captures the compiled kernels.
     """
 
-    def __init__(self, model, cache, batch_size, warmup=2, compile=False):
+    def __init__(self, model, cache, batch_size, warmup=2, compile=None):
         cache.to_static()
-        self.model = torch.compile(model, dynamic=False) if compile else model
+        self.model = (model if compile is None
+                      else torch.compile(model, dynamic=False, options=COMPILE_OPTIONS[compile]))
         self.cache, self.warmup = cache, warmup
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=cache.position.device)
         self.calls, self.graph, self.logits = 0, None, None

@@ -12,7 +12,7 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
 with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
 ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
-greedily: GPT.generate_stream without and with cuda_graph (--compiled: also cuda_graph="compiled"), transformers'
+greedily: GPT.generate_stream without and with cuda_graph (--compiled, --autotuned: also those modes), transformers'
 generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
 first few steps (a graph's warm-up steps and capture; transformers' compilation), each token waited for on the
 host as sample.py's printing does; tokens/s = B / that.
@@ -63,6 +63,8 @@ def parse(argv=None):
                    "directory DIR (bf16) and exit")
     p.add_argument("--compiled", action="store_true", help="also time cuda_graph='compiled' (the step "
                    "torch.compile'd, then captured; compiling takes a minute per batch and context)")
+    p.add_argument("--autotuned", action="store_true", help="also time cuda_graph='autotuned' (the compiled step "
+                   "with max-autotune; tuning takes minutes per batch and context)")
     p.add_argument("--profile", action="store_true", help=f"trace {PROFILED_STEPS} steps of each of our modes "
                    "(CUDA): kernels per step, their time, the costliest kernels")
     p.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
@@ -249,7 +251,8 @@ def main(argv=None):
             bound_ms = 1e3 * (weight_bytes(model) + cache_bytes(model.new_cache(B, ctx, device="meta"))) / (
                 args.bandwidth_gbs * 1e9)
             prompt = torch.randint(0, n_tokens, (B, ctx - args.n), device=device)
-            ours = [False] + ([True, "compiled"][:1 + args.compiled] if graph else [])   # cuda_graph values
+            ours = [False] + ([True] + ["compiled"] * args.compiled + ["autotuned"] * args.autotuned
+                              if graph else [])                                        # cuda_graph values
             runs = [("eager" if not g else f"cuda_graph={g}", g,
                      lambda g=g: time_ours(model, prompt, args.n, g, args.prefill_chunk)) for g in ours]
             if hf_model is not None:

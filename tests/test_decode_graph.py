@@ -273,8 +273,23 @@ def test_cuda_graph_option_errors_are_named(kwargs, match):
 
 def test_cuda_graph_mode_is_checked():
     model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
-    with pytest.raises(ValueError, match=r"cuda_graph takes one of \(False, True, 'compiled'\), not 'fast'"):
+    with pytest.raises(ValueError, match=r"cuda_graph takes one of \(False, True, 'compiled', 'autotuned'\), not 'fast'"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph="fast")
+
+
+@pytest.mark.parametrize("mode,options", [("compiled", {}),
+                                          ("autotuned", {"max_autotune": True, "coordinate_descent_tuning": True})])
+def test_graphed_step_compiles_with_its_modes_inductor_options(monkeypatch, mode, options):
+    """cuda_graph="compiled" and "autotuned" hand the step to torch.compile with their Inductor options
+    (without Inductor's own CUDA graphs: ours captures the step); cuda_graph=True compiles nothing."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: seen.append(kw) or model)
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
+    for compile in (mode, None):
+        cache = model.new_cache(1, 8)
+        model(torch.zeros(1, 3, dtype=torch.long), cache=cache)
+        GraphedDecodeStep(model, cache, 1, compile=compile)
+    assert seen == [{"dynamic": False, "options": options}]
 
 
 @pytest.mark.slow
@@ -450,6 +465,17 @@ def test_compiled_graph_greedy_tokens_equal(kw):
     model = model_of(kw, torch.float32, "cuda", **GPU_SIZE)
     torch._dynamo.reset()
     assert torch.equal(model.generate(prompt, 32, temperature=0, cuda_graph="compiled"),
+                       model.generate(prompt, 32, temperature=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_autotuned_graph_greedy_tokens_equal():
+    """cuda_graph="autotuned" (max-autotune's matmul templates): 32 greedy fp32 tokens equal the dynamic path's."""
+    prompt = torch.randint(0, 97, (2, 11), device="cuda")
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32, "cuda", **GPU_SIZE)
+    torch._dynamo.reset()
+    assert torch.equal(model.generate(prompt, 32, temperature=0, cuda_graph="autotuned"),
                        model.generate(prompt, 32, temperature=0))
 
 
