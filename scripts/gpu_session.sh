@@ -19,7 +19,7 @@
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
 #   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
 #   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
-#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile, Inductor options, eager vs graph vs transformers
+#   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
 #   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 # docs/results.md holds the numbers these stages measured.
@@ -124,14 +124,8 @@ case "${1:-tests}" in
              compare_XS:model.attention_window=256 compare_XS:model=castle \
              compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
              compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS} 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
-  decode)  python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW 2>&1 \
+  decode)  python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --autotuned --profile --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_profile.log" | tail -40
-           # Inductor options against per-kernel latency: horizontal fusion, programmatic dependent launch,
-           # Triton matmul templates; one setting per run (each compiles the step anew)
-           for opts in "combo_kernels=True" "triton.enable_pdl=True" "max_autotune=True coordinate_descent_tuning=True"; do
-             python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile --bandwidth-gbs $BW \
-               --inductor $opts 2>&1 | tee -a "$OUT/decode_inductor.log" | grep -E "compiled|kernels per step"
-           done
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
            python -m scripts.bench_decode --hf /tmp/hf360 --compiled --bandwidth-gbs $BW 2>&1 | tee "$OUT/bench_decode.log" | tail -18 ;;
   decodetests)   # the other variants' compiled steps, then the GPU tests (fla autotunes for minutes: the recurrent ones last)
