@@ -88,12 +88,16 @@ def test_torchrun_two_ranks_matches_gradient_accumulation(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_fsdp_matches_single_process_and_resumes(tmp_path):
-    """FSDP2 on 2 ranks: same losses as one process; its checkpoint resumes and samples."""
+    """FSDP2 on 2 ranks, with every fused option on (their torch references on CPU: the packed SwiGLU's weight
+    concatenation, the norms' residual adds, the chunked loss, on sharded parameters): same losses as one
+    unfused process; its checkpoint resumes there, unfused, and samples."""
     common = TINY + ["train.max_steps=4", "train.global_batch_tokens=256", "train.ckpt_interval=2",
                      "train.keep_last=5"]
+    fused = ["model.fused_loss=chunked", "model.fused_loss_chunk=48", "model.fused_norm=true",
+             "model.fused_swiglu=triton"]
     run("train.py", common + [f"train.out_dir={tmp_path / 'one'}"])
-    run("train.py", common + [f"train.out_dir={tmp_path / 'fsdp'}", "train.parallel=fsdp",
-                              "train.sample_tokens=4"], torchrun=2)
+    run("train.py", common + fused + [f"train.out_dir={tmp_path / 'fsdp'}", "train.parallel=fsdp",
+                                      "train.sample_tokens=4"], torchrun=2)
     one, fsdp = train_losses(tmp_path / "one"), train_losses(tmp_path / "fsdp")
     assert sorted(one) == sorted(fsdp) == [1, 2, 3, 4]
     for step in one:
