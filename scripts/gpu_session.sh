@@ -22,6 +22,9 @@
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
 #   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
+#   bash scripts/gpu_session.sh parallel fused decodetests   # one single-GPU stage per GPU, side by side (each
+#                                                    # cut at STAGE_TIMEOUT s, default 540); logs in $OUT/STAGE/,
+#                                                    # all of them in $OUT/logs.tgz (the device returns few files)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
 # `pip download --no-deps -d .whl flash-linear-attention==0.6.0 einops` (the recurrent layers),
@@ -44,6 +47,14 @@ BW=3350; nvidia-smi -L | grep -q H200 && BW=4800   # the decode stages' bound: t
 for f in .gpu_data/*/*.xz; do [ -f "$f" ] && [ ! -f "${f%.xz}" ] && xz -dk -T8 "$f"; done
 case "${1:-tests}" in
   setup)   ;;   # the wheels and the data only, before stages run side by side
+  parallel) shift; i=0
+           for stage in "$@"; do
+             CUDA_VISIBLE_DEVICES=$i OUT="$OUT/$stage" timeout ${STAGE_TIMEOUT:-540} bash "$0" "$stage" \
+               > "$OUT/$stage.txt" 2>&1 &
+             i=$((i + 1))
+           done; wait
+           for stage in "$@"; do echo "== $stage"; tail -n 12 "$OUT/$stage.txt"; done
+           tar czf "$OUT/logs.tgz" -C "$OUT" "$@" ;;
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
   tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
@@ -139,5 +150,5 @@ case "${1:-tests}" in
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: setup | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | parallel STAGE... | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios"; exit 2 ;;
 esac
