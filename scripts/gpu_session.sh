@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels off / on (default; loss chunks of 8192 and 4096 tokens) vs plain PyTorch
 #   bash scripts/gpu_session.sh autotune             # Baseline-S compiled with max-autotune (Triton matmul templates) vs plain PyTorch
 #   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: MFU with the default (fused) kernels
+#   [PROFILE_MODELS="A B"] bash scripts/gpu_session.sh profile   # where each model's step goes (CUDA kernel table)
 #   [RATIO_MODELS="transformer_pro_125M fox_pro_125M"] bash scripts/gpu_session.sh ratios   # a variant against its
 #                                                    # baseline with the fused defaults (default: Baseline-M, CASTLE-M)
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
@@ -68,6 +69,8 @@ case "${1:-tests}" in
              | tee "$OUT/bench_autotune.log" | tail -8 ;;
   mfu)     python -m scripts.bench_train --models baseline_paper_M transformer_llama_360M --steps 10 2>&1 \
              | tee "$OUT/bench_mfu.log" | tail -8 ;;
+  profile) python -m scripts.bench_train --models ${PROFILE_MODELS:-transformer_pro_125M fox_pro_125M} --steps 8 \
+             --profile 40 2>&1 | tee "$OUT/bench_profile.log" | tail -100 ;;
   ratios)  python -m scripts.bench_train --models ${RATIO_MODELS:-baseline_paper_M castle_paper_M} --steps 10 2>&1 \
              | tee "$OUT/bench_ratios.log" | tail -8 ;;
   memory)  for args in "baseline_paper_S castle_paper_M --batch 8" "fox_pro_360M --batch 1" "baseline_paper_XL --batch 8"; do
@@ -150,5 +153,5 @@ case "${1:-tests}" in
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: setup | parallel STAGE... | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | parallel STAGE... | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios | profile"; exit 2 ;;
 esac
