@@ -46,7 +46,7 @@ from torch._dynamo.utils import counters
 
 from kernels.fused import LOSS_IMPLS
 from kernels.sdpa import prefer_sdpa_backend
-from model.gpt import ACTIVATION_CHECKPOINTING, GPT, GPTConfig
+from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OFF, GPT, GPTConfig
 from model.runtime import CONFIG_DIR
 
 DEFAULT_MODELS = ["baseline_paper_S", "castle_paper_S", "castle_swl_paper_S", "baseline_paper_M",
@@ -76,7 +76,7 @@ FUSED_ALL = "loss=chunked,norm,swiglu=triton"
 # --fused item -> (GPTConfig field, its values; the last one is taken when the item has none, "loss" needs one)
 FUSED_ITEMS = {"loss": ("fused_loss", LOSS_IMPLS[1:]), "norm": ("fused_norm", ("true",)),
                "swiglu": ("fused_swiglu", ("packed", "triton"))}
-UNFUSED = {"fused_loss": "none", "fused_norm": "false", "fused_swiglu": "none"}   # not the defaults' auto
+UNFUSED = {field: str(value).lower() for field, value in FUSED_OFF.items()}   # overrides; not the defaults' auto
 
 
 def fused_overrides(spec):
