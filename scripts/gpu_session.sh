@@ -23,9 +23,10 @@
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
 #   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
-#   bash scripts/gpu_session.sh parallel fused decodetests   # one single-GPU stage per GPU, side by side (each
-#                                                    # cut at STAGE_TIMEOUT s, default 540); logs in $OUT/STAGE/,
-#                                                    # all of them in $OUT/logs.tgz (the device returns few files)
+#   bash scripts/gpu_session.sh parallel fused "train --models A B"   # one single-GPU stage per GPU from
+#                                                    # FIRST_GPU (default 0), side by side, each cut at STAGE_TIMEOUT s
+#                                                    # (default 540); logs in $OUT/gpuN-STAGE/, all of them in
+#                                                    # $OUT/logs.tgz (the device returns few files)
 # docs/results.md holds the numbers these stages measured.
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
 # `pip download --no-deps -d .whl flash-linear-attention==0.6.0 einops` (the recurrent layers),
@@ -48,14 +49,15 @@ BW=3350; nvidia-smi -L | grep -q H200 && BW=4800   # the decode stages' bound: t
 for f in .gpu_data/*/*.xz; do [ -f "$f" ] && [ ! -f "${f%.xz}" ] && xz -dk -T8 "$f"; done
 case "${1:-tests}" in
   setup)   ;;   # the wheels and the data only, before stages run side by side
-  parallel) shift; i=0
+  parallel) shift; i=${FIRST_GPU:-0}; names=()   # a stage with arguments is one quoted word: "train --models A B"
            for stage in "$@"; do
-             CUDA_VISIBLE_DEVICES=$i OUT="$OUT/$stage" timeout ${STAGE_TIMEOUT:-540} bash "$0" "$stage" \
-               > "$OUT/$stage.txt" 2>&1 &
+             name=gpu$i-${stage%% *}; names+=("$name")
+             CUDA_VISIBLE_DEVICES=$i OUT="$OUT/$name" timeout ${STAGE_TIMEOUT:-540} bash "$0" $stage \
+               > "$OUT/$name.txt" 2>&1 &
              i=$((i + 1))
            done; wait
-           for stage in "$@"; do echo "== $stage"; tail -n 12 "$OUT/$stage.txt"; done
-           tar czf "$OUT/logs.tgz" -C "$OUT" "$@" ;;
+           for name in "${names[@]}"; do echo "== $name"; tail -n 12 "$OUT/$name.txt"; done
+           tar czf "$OUT/logs.tgz" -C "$OUT" "${names[@]}" "${names[@]/%/.txt}" ;;
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
   tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
@@ -124,8 +126,8 @@ case "${1:-tests}" in
            done; wait; tail -n 8 "$OUT"/ac_*.log ;;
   window)  timeout ${WINDOW_TIMEOUT:-240} python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py \
              tests/test_decode_graph.py -k "window or swa or graph" 2>&1 | tee "$OUT/pytest_window.log" | tail -6 ;;
-  fp8)     for fp8 in false true; do   # GPU 0: bf16, GPU 1: fp8; 500 steps of 65536 tokens (33M)
-             CUDA_VISIBLE_DEVICES=$([ $fp8 = true ] && echo 1 || echo 0) python train.py experiment=baseline_paper_M \
+  fp8)     for fp8 in false true; do   # GPU FIRST_GPU: bf16, the next: fp8; 500 steps of 65536 tokens (33M)
+             CUDA_VISIBLE_DEVICES=$((${FIRST_GPU:-0} + $([ $fp8 = true ] && echo 1 || echo 0))) python train.py experiment=baseline_paper_M \
                data=text data.dir=.gpu_data/text train.max_steps=500 train.global_batch_tokens=65536 \
                optim.warmup_steps=50 train.eval_interval=100 train.eval_tokens=262144 train.ckpt_interval=1000 \
                train.sample_tokens=0 train.fp8=$fp8 train.out_dir=/tmp/fp8_$fp8 > "$OUT/fp8_$fp8.log" 2>&1 &
@@ -147,7 +149,8 @@ case "${1:-tests}" in
              python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled --bandwidth-gbs $BW 2>&1 \
                | tee -a "$OUT/bench_decode_variants.log" | tail -5
            done
-           python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "not (mamba2 or hgrn2 or deltanet)" 2>&1 \
+           python -m pytest -m gpu -q -rs tests/test_decode_graph.py tests/test_castle_kernels.py \
+             -k "not (mamba2 or hgrn2 or deltanet) and (graph or static or decode)" 2>&1 \
              | tee "$OUT/pytest_decode.log" | tail -4
            python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "mamba2 or hgrn2 or deltanet" 2>&1 \
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
