@@ -231,9 +231,14 @@ class CastleCache(RoundRobinRows):
         for buf, x in ((self.kc_buf, kc), (self.vc_buf, vc)):
             if buf is not None:
                 buf.index_copy_(2, t, x.to(buf.dtype))
+        self.store_qu_static(qu)
+
+    def store_qu_static(self, qu):
+        """q^U (B, H, 1, D) of the device-held position t into its Q^U ring row, t mod the ring's rows: after
+        the step has read the owners, for the row held owner t - R (SWL: R = W)."""
         R = self.qu_buf.shape[-2]
         if R:
-            self.qu_buf.index_copy_(2, t % R, qu.to(self.qu_buf.dtype))
+            self.qu_buf.index_copy_(2, self.position % R, qu.to(self.qu_buf.dtype))
 
     def lookahead_bias(self, qc):
         """The lookahead part of the logits of query q^C (B, H, 1, D) for every row a step reads (`rows`),
@@ -321,9 +326,9 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     operands; "torch" in PyTorch ops, the causal part through SDPA with the per-key bias -SiLU(s q^C u_j^T)
     (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul); with a
     process group, tree attention over the ranks' rows with that bias in fp32 (torch only); "auto" takes
-    "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded
-    or static. A static cache (CastleCache.to_static) takes the torch step over its whole buffers, the
-    rows past the device-held position masked."""
+    "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded.
+    A static cache (CastleCache.to_static) is decoded at its device-held position: the kernel reads it there
+    and skips the rows past it; the torch step reads the whole buffers with those rows masked."""
     check_inputs(qc, kc, vc, qu, ku, vu, cache.window)
     _check_variant(cache, kc)
     if qc.shape[-2] != 1:
@@ -339,7 +344,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     if impl == "auto":
         tracked = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
         fused = qc.is_cuda and triton is not None and qc.dtype != torch.float64 and not tracked
-        impl = "triton" if fused and cache.world == 1 and cache.position is None else "torch"
+        impl = "triton" if fused and cache.world == 1 else "torch"
     if impl == "triton":
         return _decode_triton(cache, qc, kc, vc, qu, ku, vu), cache
     cache.add_lookahead(ku, vu)                                              # eq (13)
@@ -370,9 +375,9 @@ if triton is not None:
     @triton.jit(do_not_specialize=["t", "n_owners", "qu_shift", "qu_row", "per_split"])
     def _castle_decode_kernel(
         U, QUB, KCB, VCB, PART, QC, sqc_b, sqc_h, KC, skc_b, skc_h, VC, svc_b, svc_h, QU, squ_b, squ_h,
-        KU, sku_b, sku_h, VU, svu_b, svu_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split,
+        KU, sku_b, sku_h, VU, svu_b, svu_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split, POS,
         scale: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
-        CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr,
+        CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr, STATIC: tl.constexpr,
     ):
         """Program (head bh, split): cached positions [split * per_split, ...) of the new position t, BT at
         a time. Owners j (t - n_owners <= j < t) take the token into their lookahead key, u_j += sigma(s
@@ -383,7 +388,11 @@ if triton is not None:
         U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH, qu_rows, D), position j at row
         j - qu_shift; the new position's six vectors come with their own (batch, head) strides (views of
         the model's projections, some rotated, need no copy). CAUSAL_KEYS, SILU: off for the ablations (module
-        docstring); without causal keys KCB and KC are never read."""
+        docstring); without causal keys KCB and KC are never read. STATIC (a static cache, CastleCache.to_static):
+        t is read from POS on the device, n_owners = min(t, n_owners) and Q^U is a ring (position j at row
+        j mod qu_rows) that the host writes q^U_t into after this kernel (qu_row = -1): its row is owner
+        t - qu_rows's, which another program may still read. The splits cover the capacity; those past t
+        write an empty state (m = -inf, l = 0)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -396,6 +405,9 @@ if triton is not None:
         vu_t = _head_vector(VU, svu_b, svu_h, bh, H, offs_d, dmask).to(tl.float32)
         c_base = bh.to(tl.int64) * cap * HEAD_DIM
         q_base = bh.to(tl.int64) * qu_rows * HEAD_DIM
+        if STATIC:
+            t = tl.load(POS).to(tl.int32)
+            n_owners = tl.minimum(t, n_owners)
 
         start = split * per_split
         end = tl.minimum(start + per_split, t + 1)
@@ -410,7 +422,11 @@ if triton is not None:
             u = tl.load(U + ptr, mask=cached, other=0.0)
             if (j0 + BT > t - n_owners) & (j0 < t):
                 owner = ((j >= t - n_owners) & (j < t))[:, None] & dmask[None, :]
-                qu = tl.load(QUB + q_base + (j - qu_shift)[:, None] * HEAD_DIM + offs_d[None, :], mask=owner,
+                if STATIC:
+                    qu_at = j % tl.maximum(qu_rows, 1)
+                else:
+                    qu_at = j - qu_shift
+                qu = tl.load(QUB + q_base + qu_at[:, None] * HEAD_DIM + offs_d[None, :], mask=owner,
                              other=0.0).to(tl.float32)
                 w = tl.sigmoid(tl.sum(qu * ku_t[None, :], 1))                             # eq (13)
                 u = tl.where(owner, u + w[:, None] * vu_t[None, :], u)
@@ -493,14 +509,17 @@ def _decode_tiles(positions, heads, block_d, device):
 
 def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax) and
-    the combine; the cache's bookkeeping stays on the host."""
+    the combine. A dynamic cache's bookkeeping stays on the host; a static cache's position is read on the
+    device, and the launch (its splits cover the capacity) is the same at every position."""
     require_triton("castle_decode(impl='triton')", "use impl='torch'")
-    if cache.world > 1 or cache.position is not None:
-        raise ValueError("castle_decode(impl='triton') takes a cache without a process group and without static "
-                         "steps; a sharded or static cache decodes with impl='torch' (or 'auto')")
+    if cache.world > 1:
+        raise ValueError("castle_decode(impl='triton') takes a cache without a process group; a sharded cache "
+                         "decodes with impl='torch' (or 'auto')")
     if qc.dtype == torch.float64:
         raise ValueError("castle_decode(impl='triton') computes in fp32; for fp64 inputs use impl='torch'")
-    cache.reserve(cache.length + 1)
+    static = cache.position is not None
+    if not static:
+        cache.reserve(cache.length + 1)
     if not all(b is None or b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
         raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
                          "CastleCache make them); use impl='torch' for others")
@@ -509,18 +528,25 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
     B, H, _, D = qc.shape
     block_d = padded_head_dim(D)
-    t, n = cache.length, cache.owners(cache.length)
-    slot = cache.qu_slot()
-    rows, per_split, splits = _decode_tiles(t + 1, B * H, block_d, qc.device)
+    if static:   # the kernel reads t and takes min(t, n) owners, at Q^U ring rows j mod its rows
+        t, n, shift, slot = 0, cache.owners(cache.capacity), 0, None
+        positions = cache.capacity
+    else:
+        t, n, shift, slot = cache.length, cache.owners(cache.length), cache.length - cache.qu_end, cache.qu_slot()
+        positions = t + 1
+    rows, per_split, splits = _decode_tiles(positions, B * H, block_d, qc.device)
     part = torch.empty(B * H, splits, block_d + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
         cache.u_buf, cache.qu_buf, kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
-        H, cache.capacity, cache.qu_buf.shape[-2], t, n, t - cache.qu_end,
-        -1 if slot is None else slot, per_split, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
-        CAUSAL_KEYS=cache.causal_keys, SILU=cache.silu, num_warps=2,
+        H, cache.capacity, cache.qu_buf.shape[-2], t, n, shift, -1 if slot is None else slot, per_split,
+        cache.position if static else part, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
+        CAUSAL_KEYS=cache.causal_keys, SILU=cache.silu, STATIC=static, num_warps=2,
     )
-    cache.push_qu(qu, written=slot is not None)
-    cache.length = t + 1
+    if static:
+        cache.store_qu_static(qu)
+    else:
+        cache.push_qu(qu, written=slot is not None)
+        cache.length = t + 1
     out = torch.empty(B, H, 1, D, dtype=qc.dtype, device=qc.device)
     _castle_decode_combine_kernel[(B * H,)](part, out, splits, HEAD_DIM=D, BLOCK_D=block_d,
                                             BLOCK_S=triton.next_power_of_2(splits))
