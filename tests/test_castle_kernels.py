@@ -978,6 +978,29 @@ def test_gpu_prefill_decode(window, causal_keys, silu):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("window", [None, 700])
+@torch.no_grad()
+def test_gpu_static_decode_kernel_matches_dynamic(window):
+    """The fused step on a static cache (position on the device, capacity 3100 of which 3000-3009 are decoded,
+    GPU tiles and splits) against the dynamic fused step and the fp64 parallel form, bf16."""
+    xs = inputs(2, 9, 3010, 64, torch.bfloat16, device="cuda")
+    ref = castle_attn(*_double(xs), window=window, impl="torch")[..., 3000:, :]
+    dynamic, static = (castle_prefill(*[x[..., :3000, :] for x in xs], window=window, max_len=3100)[1]
+                       for _ in range(2))
+    position = torch.tensor([3000], device="cuda")
+    static.to_static(position)
+    got, want = [], []
+    for t in range(3000, 3010):
+        one = [x[..., t:t + 1, :] for x in xs]
+        got.append(castle_decode(static, *one, impl="triton")[0])
+        want.append(castle_decode(dynamic, *one, impl="triton")[0])
+        position += 1
+    got, want = torch.cat(got, -2), torch.cat(want, -2)
+    assert rel(got, want) < 1e-3 and rel(got, ref) < 1e-2
+    assert rel(static.u[..., :3010, :], dynamic.u) < 1e-5
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("causal_keys,silu", ABLATIONS)
 @pytest.mark.parametrize("L,D,window", [(2048, 64, None), (1537, 128, 512), (999, 64, 100), (17, 64, 1)])
 def test_gpu_ablation_triton_bf16(L, D, window, causal_keys, silu):
