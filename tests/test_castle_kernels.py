@@ -996,7 +996,7 @@ def test_gpu_static_decode_kernel_matches_dynamic(window):
         want.append(castle_decode(dynamic, *one, impl="triton")[0])
         position += 1
     got, want = torch.cat(got, -2), torch.cat(want, -2)
-    assert rel(got, want) < 1e-3 and rel(got, ref) < 1e-2
+    assert rel(got, want) < 4e-3 and rel(got, ref) < 1e-2    # other splits: other fp32 sums, bf16 ties
     assert rel(static.u[..., :3010, :], dynamic.u) < 1e-5
 
 
