@@ -137,9 +137,11 @@ def castle_attention_bytes(c, T, a, cpu):
     return n_proj * a * i + rotated * a * i + a * i + FP32 * H + a * i
 
 
-def mlp_bytes(c, a, compiled):
+def mlp_bytes(c, a, cpu, compiled):
     h = mlp_hidden_size(c)
-    if c.mlp == "swiglu":                                 # gate, SiLU(gate) (compiled: recomputed), up, product
+    if c.mlp == "swiglu":     # gate, SiLU(gate) (compiled: recomputed), up, product (Triton: recomputed)
+        if not cpu and fused_setting("fused_swiglu", c.fused_swiglu, "cuda") == "triton":
+            return 2 * a * h
         return (3 if compiled else 4) * a * h
     return 2 * a * h                                      # up, GELU(up)
 
@@ -158,7 +160,7 @@ def block_bytes_per_token(c, T, a, cpu, compiled):
                  else softmax_attention_bytes(c, T, a, cpu, compiled))
     return (FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, attention_readers(c), a, compiled) + attention
             + FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, 2 if c.mlp == "swiglu" else 1, a, compiled)
-            + mlp_bytes(c, a, compiled))
+            + mlp_bytes(c, a, cpu, compiled))
 
 
 def recomputes(n_layer, mode, every):
