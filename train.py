@@ -44,7 +44,7 @@ from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkp
                               remove_stale_temp_files, run_dir_of, save_checkpoint, saved_model_config)
 from model.gpt import ACTIVATION_CHECKPOINTING, GPT, NEUTRAL_OPTIONS, GPTConfig
 from model.memory_plan import MEMORY_CHECKS, check_fits, describe, memory_plan
-from model.fp8 import check_fp8_config, check_fp8_device, convert_to_fp8
+from model.fp8 import check_fp8_config, check_fp8_device, convert_to_fp8, fp8_left_out
 from model.recurrent import check_trainable
 from model.runtime import (DEVICE, Dist, autocast_context, check_dataclass_types, check_options, choose_dtype,
                            boolean, entry_point, integer, number, one_of, optional, pair, text)
@@ -454,6 +454,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     raw_model = GPT(model_config).to(device)
     recomputed = raw_model.checkpoint_activations(cfg.train.activation_checkpointing,
                                                   cfg.train.activation_checkpointing_every)
+    fp8_note = fp8_left_out(raw_model) if cfg.train.fp8 else ""
     fp8_layers = convert_to_fp8(raw_model) if cfg.train.fp8 else []
     fsdp = dist_info.world > 1 and cfg.train.parallel == "fsdp"
     if fsdp:       # in place, before the optimizer sees the parameters
@@ -476,7 +477,8 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
               f"parameters | {dist_info.world} rank(s) on {device.type} | grad accumulation {accum} | "
               f"{accum * B * T * dist_info.world} tokens/step | activation checkpointing "
               f"{cfg.train.activation_checkpointing} ({recomputed} of {model_config.n_layer} blocks recomputed) | "
-              + (f"fp8 matmuls in {len(fp8_layers)} linear layers | " if cfg.train.fp8 else "") +
+              + (f"fp8 matmuls in {len(fp8_layers)} linear layers{'; ' + fp8_note if fp8_note else ''} | "
+                 if cfg.train.fp8 else "") +
               f"run dir {out_dir} | "
               + (f"resuming at step {step} from {resume_file}" if resume_file else "fresh run")
               + (f" with its {' and '.join(taken)} settings" if taken else ""))

@@ -18,7 +18,8 @@
 #   bash scripts/gpu_session.sh fsdp                 # 2-4 GPUs: CASTLE-XL, FoX (Pro) 760M under FSDP2 + checkpointing
 #   bash scripts/gpu_session.sh ac                   # 4 GPUs: the checkpointing table (largest micro-batch in 80 GB)
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
-#   bash scripts/gpu_session.sh fp8                  # 2 GPUs: Baseline-M 500 steps, bf16 vs train.fp8=true, side by side
+#   [FP8_OVERRIDES="model.mlp_multiple_of=16"] bash scripts/gpu_session.sh fp8   # 2 GPUs: Baseline-M 500 steps,
+#                                                    # bf16 vs train.fp8=true, side by side
 #   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
 #   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
@@ -130,7 +131,7 @@ case "${1:-tests}" in
              CUDA_VISIBLE_DEVICES=$((${FIRST_GPU:-0} + $([ $fp8 = true ] && echo 1 || echo 0))) python train.py experiment=baseline_paper_M \
                data=text data.dir=.gpu_data/text train.max_steps=500 train.global_batch_tokens=65536 \
                optim.warmup_steps=50 train.eval_interval=100 train.eval_tokens=262144 train.ckpt_interval=1000 \
-               train.sample_tokens=0 train.fp8=$fp8 train.out_dir=/tmp/fp8_$fp8 > "$OUT/fp8_$fp8.log" 2>&1 &
+               train.sample_tokens=0 train.fp8=$fp8 train.out_dir=/tmp/fp8_$fp8 ${FP8_OVERRIDES:-} > "$OUT/fp8_$fp8.log" 2>&1 &
            done; wait
            grep -a "^done\|fp8 matmuls" "$OUT"/fp8_*.log; cp /tmp/fp8_false/metrics.jsonl "$OUT/bf16_metrics.jsonl"
            cp /tmp/fp8_true/metrics.jsonl "$OUT/fp8_metrics.jsonl"

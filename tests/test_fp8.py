@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 from test_train import TINY, run
 
-from model.fp8 import FP8_MIN_CAPABILITY, check_fp8_config, check_fp8_device, convert_to_fp8, fp8_layer_names
+from model.fp8 import (FP8_MIN_CAPABILITY, check_fp8_config, check_fp8_device, convert_to_fp8, fp8_layer_names,
+                       fp8_left_out)
 from model.gpt import GPT, GPTConfig
 
 
@@ -37,8 +38,13 @@ def test_the_blocks_linear_layers_are_converted_and_the_head_is_not():
 
 
 def test_widths_that_are_not_multiples_of_16_stay_unconverted():
-    odd_mlp = fp8_layer_names(GPT(GPTConfig(**{**CONFIG, "mlp_multiple_of": 1})))       # SwiGLU hidden 170
+    odd = GPT(GPTConfig(**{**CONFIG, "mlp_multiple_of": 1}))                          # SwiGLU hidden 170
+    odd_mlp = fp8_layer_names(odd)
     assert odd_mlp and all(".mlp." not in n for n in odd_mlp)
+    assert fp8_left_out(odd) == ("6 block linear layers stay bf16, a width not a multiple of 16 (e.g. "
+                                 "blocks.0.mlp.w_gate: 64 -> 170) (model.mlp_multiple_of=16 rounds the SwiGLU's "
+                                 "hidden size so that they convert)")
+    assert fp8_left_out(GPT(GPTConfig(**CONFIG))) == ""
     model = GPT(GPTConfig(**{**CONFIG, "n_embd": 72, "n_head": 3, "head_dim": 24}))   # 72 % 16 = 8
     assert fp8_layer_names(model) == []
     castle = GPT(GPTConfig(**{**CONFIG, "attention": "castle"}))
