@@ -81,8 +81,8 @@ class GPTConfig:
     fused_norm: bool | str = "auto"     # true: Triton RMSNorm, the block's attention residual add fused into its MLP norm
     fused_swiglu: str = "auto"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
                                         # "auto" (each): fused on CUDA, unfused elsewhere (fused_setting)
-    fused_loss_chunk: int = DEFAULT_CHUNK   # tokens per chunk of the chunked loss: compiled, a chunk in flight takes
-                                            # ~10 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
+    fused_loss_chunk: int = DEFAULT_CHUNK   # tokens per chunk of the chunked loss: on CUDA a chunk in flight takes
+                                            # ~2 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
     # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)

@@ -118,6 +118,72 @@ def test_chunked_loss_traces_into_one_graph():
     assert all(rel(g, t.grad) < 1e-5 for g, t in zip(got, params))
 
 
+def ops_called(fn):
+    """fn()'s result and the names of the operators it dispatched (custom ops included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    names = []
+    with Record():
+        result = fn()
+    return result, names
+
+
+def torch_cross_entropy_grad(logits, targets, ignore_index=-1):
+    """Per-row losses (0 where ignored) and the fp32 gradient of their mean with respect to the logits, by
+    autograd through F.cross_entropy of the fp32 logits."""
+    logits = logits.float().requires_grad_()
+    losses = torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+    (losses.sum() / (targets != ignore_index).sum()).backward()
+    return losses.detach(), logits.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_grad_kernel_matches_torch(dtype):
+    """The softmax step's kernel on rows of a padded buffer: n odd, V one block and a ragged part, targets at the
+    first and last columns, ignored rows; losses and the in-place gradient against autograd's in fp32."""
+    from kernels.fused.op import cross_entropy_grad_
+    from kernels.fused.triton import CE_BLOCK
+    n, vocab = 7, CE_BLOCK + 37
+    buffer = (3 * torch.randn(n, vocab + 5)).to(dtype)        # rows of stride vocab + 5
+    logits = buffer[:, :vocab]
+    targets = torch.randint(0, vocab, (n,))
+    targets[:4] = torch.tensor([vocab - 1, 0, -1, -1])
+    keep = targets != -1
+    ref_losses, ref_grad = torch_cross_entropy_grad(logits, targets)
+    before = buffer.clone()
+    assert use_triton(logits)
+    losses = cross_entropy_grad_(logits, targets, keep, keep.sum())
+    assert losses.dtype == torch.float32 and rel(losses, ref_losses) < 1e-6 and (losses[2:4] == 0).all()
+    assert logits.dtype == dtype and rel(logits, ref_grad) < TOLERANCE[dtype]
+    assert (logits[2:4] == 0).all() and logits[0, -1] < 0 and logits[1, 0] < 0     # ignored rows; the targets' -1
+    assert torch.equal(buffer[:, vocab:], before[:, vocab:])                    # the padding is not written
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cross_entropy_grad_(logits.t(), targets, keep, keep.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_through_the_kernel_matches_reference(dtype):
+    """The chunked linear + cross-entropy with its softmax step in the Triton kernel (ragged chunks, a vocabulary
+    of more than one kernel block, padding rows, ignored targets): loss and gradients of x and W."""
+    from kernels.fused.triton import CE_BLOCK
+    n, d, vocab = 29, 16, CE_BLOCK + 5
+    x, w = torch.randn(n, d, dtype=dtype), (torch.randn(vocab, d) / d ** 0.5).to(dtype)
+    targets = targets_with_ignored(n, vocab, used_vocab=vocab - 40)
+    (loss,), (dx, dw) = grads_of(lambda x, w: chunked_linear_cross_entropy(x, w, targets, chunk_size=8), [x, w])
+    (ref,), (ref_dx, ref_dw) = grads_of(lambda x, w: reference.linear_cross_entropy(x, w, targets), [x, w])
+    _, called = ops_called(lambda: grads_of(lambda x, w: chunked_linear_cross_entropy(x, w, targets, chunk_size=8),
+                                            [x, w]))
+    assert called.count("fused::cross_entropy_grad") == 4                       # one call per chunk of 8
+    assert loss.dtype == torch.float32 and abs(loss - ref) <= 1e-5 * ref
+    assert dx.dtype == dw.dtype == dtype
+    assert rel(dx, ref_dx) < TOLERANCE[dtype] and rel(dw, ref_dw) < TOLERANCE[dtype]
+
+
 # ----------------------------------------------------------------------------- SwiGLU, RMSNorm
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
@@ -370,6 +436,26 @@ def test_linear_cross_entropy_real_size_gpu(impl):
     (ref,), (ref_dx, ref_dw) = grads_of(run(lambda x, w: reference.linear_cross_entropy(x, w, targets)), [x, w])
     assert abs(loss - ref) <= 1e-4 * ref
     assert rel(dx, ref_dx) < 1e-2 and rel(dw, ref_dw) < 1e-2
+
+
+@pytest.mark.gpu
+def test_cross_entropy_grad_kernel_real_size_gpu():
+    """The softmax step's kernel at Baseline-S's vocabulary (50304, bf16) on more than 2^31 logits (element offsets
+    past int32), ignored rows and a target at the last column: the first 8192 rows (one default chunk) and the
+    last 64 against autograd in fp32."""
+    from kernels.fused.op import cross_entropy_grad_
+    vocab = 50304
+    n = 2 ** 31 // vocab + 64
+    logits = (4 * torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16))
+    targets = targets_with_ignored(n, vocab, used_vocab=50257, device="cuda")
+    targets[-1] = vocab - 1
+    keep = targets != -1
+    checked = torch.cat([torch.arange(8192, device="cuda"), torch.arange(n - 64, n, device="cuda")])
+    ref_losses, ref_grad = torch_cross_entropy_grad(logits[checked], targets[checked])
+    ref_grad *= (targets[checked] != -1).sum() / keep.sum()       # the mean over all n rows, not the checked ones
+    losses = cross_entropy_grad_(logits, targets, keep, keep.sum())
+    assert rel(losses[checked], ref_losses) < 1e-6 and rel(logits[checked], ref_grad) < 1e-2
+    assert (logits[checked][~keep[checked]] == 0).all() and logits[-1, -1] < 0
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ from typing import Optional
 import torch
 
 from kernels.fused import reference
+from kernels.fused import triton as fused_triton
 from kernels.fused.triton import aligned_empty, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward
 from kernels.triton_utils import interpreting, triton
 
@@ -147,3 +148,28 @@ def add_rms_norm(x, y, weight, eps, out_dtype=None):
         return s, out.to(out_dtype)
     out, _, s = _rms_norm_fwd(x.contiguous(), y.contiguous(), weight, eps, out_dtype)
     return s, out
+
+
+# ----------------------------------------------------------------------------- cross-entropy softmax + gradient
+
+@torch.library.custom_op("fused::cross_entropy_grad", mutates_args=("logits",))
+def _cross_entropy_grad(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+                        n_counted: torch.Tensor) -> torch.Tensor:
+    return fused_triton.cross_entropy_grad_(logits, targets, keep, n_counted)
+
+
+@_cross_entropy_grad.register_fake
+def _(logits, targets, keep, n_counted):
+    return logits.new_empty(logits.size(0), dtype=torch.float32)
+
+
+def cross_entropy_grad_(logits, targets, keep, n_counted):
+    """Per row of logits (n, V): the loss lse - logit[target] where keep (n,) is True, else 0 (fp32 (n,)); the
+    logits, no longer needed, are overwritten with the gradient of sum(losses) / n_counted (a 1-element tensor):
+    (softmax - onehot(target)) * keep / n_counted, zero on rows not kept. Triton only (use_triton)."""
+    n = logits.size(0)
+    if logits.dim() != 2 or logits.stride(1) != 1 or targets.shape != (n,) or keep.shape != (n,):
+        raise ValueError(f"cross_entropy_grad_ takes logits (n, V) with contiguous rows and targets, keep (n,); got "
+                         f"{tuple(logits.shape)} (strides {logits.stride()}), {tuple(targets.shape)}, "
+                         f"{tuple(keep.shape)}")
+    return _cross_entropy_grad(logits, targets, keep, n_counted.reshape(1))

@@ -12,6 +12,9 @@ the tensors' own dtypes. On CPU they run under TRITON_INTERPRET=1.
     rms_norm_backward(dout, ds, s, w, rstd, dx_dtype, dy_dtype) -> (dx, dy, dw)
         d s = rstd * (g - s_hat * mean(g * s_hat)) + ds, g = dout * w, s_hat = s * rstd; dx = d s in dx_dtype,
         dy the same in dy_dtype (None: not written, an empty tensor), dw = sum over rows of dout * s_hat
+    cross_entropy_grad_(logits, targets, keep, n_counted) -> losses
+        per row of logits (n, V): lse - logit[target] where keep, else 0 (fp32 (n,)); the logits overwritten
+        with (softmax - onehot(target)) * keep / n_counted (the chunked loss's gradient), one program per row
 
 SwiGLU's programs each take BLOCK consecutive outputs of the flattened (M, H), whatever the rows' padding (so an
 odd H wastes no lanes). RMSNorm's rows are the last axis (contiguous); a program takes whole rows (in one block
@@ -186,3 +189,55 @@ def rms_norm_backward(dout, ds, s, w, rstd, dx_dtype, dy_dtype):
                                           HAS_DY=dy_dtype is not None, ROWS=max(1, RMS_BWD_TILE // block),
                                           BLOCK=block, num_warps=RMS_BWD_WARPS)
     return dx, dy, dw.sum(0).to(w.dtype)
+
+
+# ----------------------------------------------------------------------------- cross-entropy softmax + gradient
+
+CE_BLOCK = 4096        # columns per iteration: 16 per thread of 8 warps, a row of V ~ 50K in 13 steps
+CE_WARPS = 8
+
+if triton is not None:
+    @triton.jit
+    def _cross_entropy_grad_kernel(logits_ptr, targets_ptr, keep_ptr, n_counted_ptr, losses_ptr, V, row_stride,
+                                   BLOCK: tl.constexpr):
+        """One row: pass 1 an online max / sum of exp over V (fp32) -> lse and the row's loss; pass 2
+        overwrites the row with (softmax - onehot(target)) * keep / n_counted in the logits' dtype. Pass 2 walks
+        the row backwards, so it starts on the blocks pass 1 read last (the likeliest still in L2)."""
+        row = tl.program_id(0).to(tl.int64)
+        base = logits_ptr + row * row_stride
+        cols = tl.arange(0, BLOCK)
+        m = tl.full([], -float("inf"), tl.float32)     # running max of the row
+        s = tl.zeros([], tl.float32)                   # sum of exp(z - m) over the columns so far
+        for start in range(0, V, BLOCK):
+            at = start + cols
+            z = tl.load(base + at, mask=at < V, other=-float("inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(z, axis=0))     # finite from the first block on (V >= 1, finite logits)
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
+            m = m_new
+        lse = m + tl.log(s)
+        keep = tl.load(keep_ptr + row) != 0
+        target = tl.where(keep, tl.load(targets_ptr + row), 0)     # an ignored row's target may be any id
+        z_target = tl.load(base + target).to(tl.float32)
+        tl.store(losses_ptr + row, tl.where(keep, lse - z_target, 0.0))
+        scale = keep.to(tl.float32) / tl.load(n_counted_ptr).to(tl.float32)
+        n_blocks = tl.cdiv(V, BLOCK)
+        for i in range(0, n_blocks):
+            at = (n_blocks - 1 - i) * BLOCK + cols
+            mask = at < V
+            z = tl.load(base + at, mask=mask, other=0.0).to(tl.float32)
+            p = tl.exp(z - lse)
+            grad = tl.where(at == target, p - 1.0, p) * scale
+            tl.store(base + at, grad.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_grad_(logits, targets, keep, n_counted):
+    """The cross-entropy of each row of logits (n, V) (bf16, fp16 or fp32; last axis contiguous, rows any stride)
+    against targets (n,) where keep (n,) is True, 0 where it is False: fp32 (n,), lse - logit[target]. The logits
+    are overwritten with the gradient of sum(losses) / n_counted, (softmax - onehot(target)) * keep / n_counted,
+    in their dtype (n_counted: a 1-element tensor, read on the device). Math in fp32, softmax over all V columns."""
+    n, V = logits.shape
+    losses = torch.empty(n, device=logits.device, dtype=torch.float32)
+    if n:
+        _cross_entropy_grad_kernel[(n,)](logits, targets, keep, n_counted, losses, V, logits.stride(0),
+                                         BLOCK=min(CE_BLOCK, triton.next_power_of_2(V)), num_warps=CE_WARPS)
+    return losses
