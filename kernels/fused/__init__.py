@@ -7,8 +7,9 @@ RMSNorm (+ residual add), forward and backward; model/gpt.py switches them on wi
     add_rms_norm(x, y, weight, eps, out_dtype=None) -> (x + y, rms_norm(x + y))
 
 Modules: reference.py (the unfused torch forms, what the tests compare against), cross_entropy.py (the chunked
-linear + cross-entropy in plain PyTorch, and Liger-Kernel's behind the same contract), triton.py (the SwiGLU
-and RMSNorm kernels), op.py (their custom ops, which torch.compile sees as single calls).
+linear + cross-entropy: PyTorch around a Triton softmax/gradient kernel, and Liger-Kernel's behind the same
+contract), triton.py (the SwiGLU, RMSNorm and cross-entropy kernels), op.py (their custom ops, which
+torch.compile sees as single calls).
 """
 from kernels.fused.cross_entropy import DEFAULT_CHUNK, LOSSES
 from kernels.fused.op import add_rms_norm, rms_norm, swiglu_linear

@@ -1,6 +1,6 @@
-"""swiglu_linear, rms_norm and add_rms_norm: the Triton kernels (triton.py) as torch custom ops joined by
-autograd, so torch.compile keeps each kernel one opaque call in its graph (no graph break), with the torch
-reference where Triton cannot run (CPU without TRITON_INTERPRET=1; fp64)."""
+"""swiglu_linear, rms_norm, add_rms_norm and cross_entropy_grad_: the Triton kernels (triton.py) as torch custom
+ops (the first three joined by autograd), so torch.compile keeps each kernel one opaque call in its graph (no
+graph break), with the torch reference where Triton cannot run (CPU without TRITON_INTERPRET=1; fp64)."""
 from typing import Optional
 
 import torch
