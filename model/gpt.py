@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import forgetting_attn, forgetting_decode
-from kernels.fused import DEFAULT_CHUNK, LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu
+from kernels.fused import DEFAULT_CHUNK, LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu_linear
 from kernels.fused import reference as fused_reference
 from kernels.sdpa import decode_sdpa
 from model.cache import InferenceCache, SoftmaxCache, WindowCache, attend_rows
@@ -81,8 +81,8 @@ class GPTConfig:
     fused_norm: bool | str = "auto"     # true: Triton RMSNorm, the block's attention residual add fused into its MLP norm
     fused_swiglu: str = "auto"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
                                         # "auto" (each): fused on CUDA, unfused elsewhere (fused_setting)
-    fused_loss_chunk: int = DEFAULT_CHUNK   # tokens per chunk of the chunked loss: compiled, a chunk in flight takes
-                                            # ~10 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
+    fused_loss_chunk: int = DEFAULT_CHUNK   # tokens per chunk of the chunked loss: on CUDA a chunk in flight takes
+                                            # ~4 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
     # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
@@ -285,7 +285,8 @@ def mlp_hidden_size(config):
 class SwiGLU(nn.Module):
     """w_down(silu(w_gate x) * w_up x). `fused` (GPTConfig.fused_swiglu) "packed": one matmul with the
     concatenated [w_gate; w_up] (x read once, one matmul each way in the backward; the weights stay two
-    parameters), silu(a) * b left to torch.compile; "triton": packed, and the Triton kernel for silu(a) * b.
+    parameters), silu(a) * b left to torch.compile; "triton": packed, and the Triton kernels for silu(a) * b,
+    whose backward recomputes silu(a) * b for w_down's gradient instead of keeping it (kernels.fused.swiglu_linear).
 
     Packed, each half is padded with zero rows to a multiple of PACK_ALIGN (and w_down with zero columns): a
     hidden size like the papers' 8/3 * 896 = 2389 leaves every matmul and the up half misaligned, which
@@ -310,8 +311,10 @@ class SwiGLU(nn.Module):
         bias = (torch.cat([F.pad(b, (0, self.pad)) for b in (self.w_gate.bias, self.w_up.bias)])
                 if self.w_gate.bias is not None else None)
         gate_up = F.linear(x, weight, bias)
-        h = swiglu(gate_up) if fused == "triton" else fused_reference.swiglu(gate_up)
-        return F.linear(h, F.pad(self.w_down.weight, (0, self.pad)), self.w_down.bias)
+        w_down = F.pad(self.w_down.weight, (0, self.pad))
+        if fused == "triton":
+            return swiglu_linear(gate_up, w_down, self.w_down.bias)
+        return F.linear(fused_reference.swiglu(gate_up), w_down, self.w_down.bias)
 
 
 class GeluMLP(nn.Module):

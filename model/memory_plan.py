@@ -34,8 +34,9 @@ logits_saved the (B, T, V) logits in the autocast dtype (the caller holds them) 
 logits_grads the loss's backward: the fp32 gradient of the log-softmax and of its input, alive together
              (eager); compiled, one fp32 gradient (the fused loss backward). With model.fused_loss
              (kernels/fused) no (B, T, V) tensor exists: logits_saved is the gradients the loss computes in
-             its forward (dx, B T d in the autocast dtype; dW, V d in fp32), logits_grads one chunk's fp32
-             logits and probabilities and its gradient (chunked) while they are made.
+             its forward (dx, B T d in the autocast dtype; dW, V d in fp32), logits_grads one chunk's logits
+             in the autocast dtype, overwritten by their gradient (chunked on CUDA, its Triton kernel), else
+             the chunk's fp32 logits and probabilities and its gradient while they are made.
 recompute    a recomputed block's activations and bf16 weight copies, live again in its backward (one block
              at a time), plus the gradients that backward holds besides them: the residual stream's (fp32),
              one MLP-hidden-wide one, and the attention projections' twice (per q, k, v and joined).
@@ -137,9 +138,11 @@ def castle_attention_bytes(c, T, a, cpu):
     return n_proj * a * i + rotated * a * i + a * i + FP32 * H + a * i
 
 
-def mlp_bytes(c, a, compiled):
+def mlp_bytes(c, a, cpu, compiled):
     h = mlp_hidden_size(c)
-    if c.mlp == "swiglu":                                 # gate, SiLU(gate) (compiled: recomputed), up, product
+    if c.mlp == "swiglu":     # gate, SiLU(gate) (compiled: recomputed), up, product (Triton: recomputed)
+        if not cpu and fused_setting("fused_swiglu", c.fused_swiglu, "cuda") == "triton":
+            return 2 * a * h
         return (3 if compiled else 4) * a * h
     return 2 * a * h                                      # up, GELU(up)
 
@@ -158,7 +161,7 @@ def block_bytes_per_token(c, T, a, cpu, compiled):
                  else softmax_attention_bytes(c, T, a, cpu, compiled))
     return (FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, attention_readers(c), a, compiled) + attention
             + FP32 * d + norm_bytes(c, cpu) + linear_inputs(d, 2 if c.mlp == "swiglu" else 1, a, compiled)
-            + mlp_bytes(c, a, compiled))
+            + mlp_bytes(c, a, cpu, compiled))
 
 
 def recomputes(n_layer, mode, every):
@@ -192,12 +195,18 @@ def last_recompute_bytes(flags, kept_block, block_input, recompute, grads):
 
 def logits_bytes(c, B, T, a, compiled, device_type):
     """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
-    if fused_setting("fused_loss", c.fused_loss, device_type) != "none":
-        # one chunk in flight: eager, its logits, logits - lse, probabilities, the target mask, probs - 1 and
-        # the masked gradient (measured on CPU: 17-18 bytes per element); compiled, inductor fuses the
-        # elementwise ops down to fp32 logits, probabilities and the gradient (measured on an H200)
+    fused_loss = fused_setting("fused_loss", c.fused_loss, device_type)
+    if fused_loss != "none":
+        # one chunk in flight. The chunked loss on CUDA: its logits in the autocast dtype and the gradient its
+        # Triton kernel writes (the same dtype). The PyTorch softmax
+        # (elsewhere): eager, its logits, logits - lse, probabilities, the target mask, probs - 1 and the masked
+        # gradient (measured on CPU: 17-18 bytes per element); compiled, inductor fuses the elementwise ops down
+        # to fp32 logits, probabilities and the gradient (measured on an H200)
         chunk = min(B * T, c.fused_loss_chunk) * c.vocab_size
-        per_element = 2 * FP32 + a if compiled else 4 * FP32 + 1
+        if fused_loss == "chunked" and device_type == "cuda":
+            per_element = 2 * a
+        else:
+            per_element = 2 * FP32 + a if compiled else 4 * FP32 + 1
         return a * B * T * c.n_embd + FP32 * c.vocab_size * c.n_embd, per_element * chunk
     n = B * T * c.vocab_size
     if compiled:

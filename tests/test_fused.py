@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.fused import add_rms_norm, cross_entropy, linear_cross_entropy, reference, rms_norm, swiglu
+from kernels.fused import add_rms_norm, cross_entropy, linear_cross_entropy, reference, rms_norm, swiglu_linear
 from kernels.fused.cross_entropy import chunked_linear_cross_entropy
 from kernels.fused.op import use_triton
 from model.gpt import GPT, GPTConfig
@@ -100,19 +100,88 @@ def test_chunked_loss_traces_into_one_graph():
     n, d, vocab, hidden = 19, 16, 53, 24
     x, w = torch.randn(n, d, requires_grad=True), torch.randn(vocab, d, requires_grad=True)
     gate_up, norm_w = torch.randn(n, 2 * hidden, requires_grad=True), torch.ones(d, requires_grad=True)
+    w_down = torch.randn(d, hidden, requires_grad=True)
     targets = targets_with_ignored(n, vocab)
+    params = (x, w, gate_up, norm_w, w_down)
 
-    def step(x, w, gate_up, norm_w):
+    def step(x, w, gate_up, norm_w, w_down):
         s, h = add_rms_norm(x, x, norm_w, 1e-5)
-        return chunked_linear_cross_entropy(h, w, targets, chunk_size=8) + swiglu(gate_up).sum() + s.sum()
+        return (chunked_linear_cross_entropy(h, w, targets, chunk_size=8) + swiglu_linear(gate_up, w_down).sum()
+                + s.sum())
 
     compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    compiled(x, w, gate_up, norm_w).backward()
-    got = [t.grad.clone() for t in (x, w, gate_up, norm_w)]
-    for t in (x, w, gate_up, norm_w):
+    compiled(*params).backward()
+    got = [t.grad.clone() for t in params]
+    for t in params:
         t.grad = None
-    step(x, w, gate_up, norm_w).backward()
-    assert all(rel(g, t.grad) < 1e-5 for g, t in zip(got, (x, w, gate_up, norm_w)))
+    step(*params).backward()
+    assert all(rel(g, t.grad) < 1e-5 for g, t in zip(got, params))
+
+
+def ops_called(fn):
+    """fn()'s result and the names of the operators it dispatched (custom ops included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            names.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    names = []
+    with Record():
+        result = fn()
+    return result, names
+
+
+def torch_cross_entropy_grad(logits, targets, ignore_index=-1):
+    """Per-row losses (0 where ignored) and the fp32 gradient of their mean with respect to the logits, by
+    autograd through F.cross_entropy of the fp32 logits."""
+    logits = logits.float().requires_grad_()
+    losses = torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="none")
+    (losses.sum() / (targets != ignore_index).sum()).backward()
+    return losses.detach(), logits.grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_grad_kernel_matches_torch(dtype):
+    """The softmax step's kernel on rows of a padded buffer: n odd, V one block and a ragged part, targets at the
+    first and last columns, ignored rows; losses and the gradient against autograd's in fp32."""
+    from kernels.fused.op import cross_entropy_grad
+    from kernels.fused.triton import CE_BLOCK
+    n, vocab = 7, CE_BLOCK + 37
+    buffer = (3 * torch.randn(n, vocab + 5)).to(dtype)        # rows of stride vocab + 5
+    logits = buffer[:, :vocab]
+    targets = torch.randint(0, vocab, (n,))
+    targets[:4] = torch.tensor([vocab - 1, 0, -1, -1])
+    keep = targets != -1
+    ref_losses, ref_grad = torch_cross_entropy_grad(logits, targets)
+    before = buffer.clone()
+    assert use_triton(logits)
+    losses, grad = cross_entropy_grad(logits, targets, keep, keep.sum())
+    assert losses.dtype == torch.float32 and rel(losses, ref_losses) < 1e-6 and (losses[2:4] == 0).all()
+    assert grad.dtype == dtype and grad.shape == logits.shape and rel(grad, ref_grad) < TOLERANCE[dtype]
+    assert (grad[2:4] == 0).all() and grad[0, -1] < 0 and grad[1, 0] < 0     # ignored rows; the targets' -1
+    assert torch.equal(buffer, before)                                       # the logits are only read
+    with pytest.raises(ValueError, match="contiguous rows"):
+        cross_entropy_grad(logits.t(), targets, keep, keep.sum())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_through_the_kernel_matches_reference(dtype):
+    """The chunked linear + cross-entropy with its softmax step in the Triton kernel (ragged chunks, a vocabulary
+    of more than one kernel block, padding rows, ignored targets): loss and gradients of x and W."""
+    from kernels.fused.triton import CE_BLOCK
+    n, d, vocab = 29, 16, CE_BLOCK + 5
+    x, w = torch.randn(n, d, dtype=dtype), (torch.randn(vocab, d) / d ** 0.5).to(dtype)
+    targets = targets_with_ignored(n, vocab, used_vocab=vocab - 40)
+    (loss,), (dx, dw) = grads_of(lambda x, w: chunked_linear_cross_entropy(x, w, targets, chunk_size=8), [x, w])
+    (ref,), (ref_dx, ref_dw) = grads_of(lambda x, w: reference.linear_cross_entropy(x, w, targets), [x, w])
+    _, called = ops_called(lambda: grads_of(lambda x, w: chunked_linear_cross_entropy(x, w, targets, chunk_size=8),
+                                            [x, w]))
+    assert called.count("fused::cross_entropy_grad") == 4                       # one call per chunk of 8
+    assert loss.dtype == torch.float32 and abs(loss - ref) <= 1e-5 * ref
+    assert dx.dtype == dw.dtype == dtype
+    assert rel(dx, ref_dx) < TOLERANCE[dtype] and rel(dw, ref_dw) < TOLERANCE[dtype]
 
 
 # ----------------------------------------------------------------------------- SwiGLU, RMSNorm
@@ -120,32 +189,67 @@ def test_chunked_loss_traces_into_one_graph():
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
+def swiglu_linear_reference(gate_up, weight, bias=None):
+    """The unfused form in fp32: F.linear(silu(a) * b, weight, bias)."""
+    return torch.nn.functional.linear(reference.swiglu(gate_up.float()), weight.float(),
+                                      bias.float() if bias is not None else None)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(3, 5, 74), (7, 2 * 1030)])   # H = 37 odd; H = 1030 > one block of 1024
-def test_swiglu_matches_reference(dtype, shape):
-    gate_up = torch.randn(shape, dtype=dtype)
+@pytest.mark.parametrize("shape,with_bias", [((3, 5, 74), True), ((7, 2 * 1030), False)])   # H = 37 odd;
+def test_swiglu_linear_matches_reference(dtype, shape, with_bias):                         # 1030 > a block
+    H, out = shape[-1] // 2, 11
+    gate_up, weight = torch.randn(shape, dtype=dtype), torch.randn(out, H, dtype=dtype) / H ** 0.5
+    bias = torch.randn(out, dtype=dtype) if with_bias else None
     assert use_triton(gate_up)
-    dh = torch.randn(*shape[:-1], shape[-1] // 2, dtype=dtype)
-    (h,), (d_gate_up,) = grads_of(swiglu, [gate_up], dh)
-    (ref,), (ref_d,) = grads_of(lambda g: reference.swiglu(g.float()), [gate_up.float()], dh.float())
-    assert h.dtype == d_gate_up.dtype == dtype
-    assert rel(h, ref) < TOLERANCE[dtype] and rel(d_gate_up, ref_d) < TOLERANCE[dtype]
+    inputs = [gate_up, weight] + ([bias] if with_bias else [])
+    dout = torch.randn(*shape[:-1], out, dtype=dtype)
+    (y,), grads = grads_of(swiglu_linear, inputs, dout)
+    (ref,), ref_grads = grads_of(swiglu_linear_reference, [t.float() for t in inputs], dout.float())
+    assert y.dtype == dtype and [g.dtype for g in grads] == [dtype] * len(inputs)
+    assert rel(y, ref) < TOLERANCE[dtype] and all(rel(g, r) < TOLERANCE[dtype] for g, r in zip(grads, ref_grads))
 
 
-def test_swiglu_takes_and_gives_rows_with_padded_strides():
+def test_swiglu_linear_keeps_only_gate_up_for_the_backward():
+    """h = silu(a) * b is recomputed by the backward kernel, not kept: the saved tensors are gate_up and the
+    weight (the memory the fused path saves, H values per token and layer)."""
+    gate_up, weight = torch.randn(6, 2 * 37, requires_grad=True), torch.randn(5, 37, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        swiglu_linear(gate_up, weight).sum().backward()
+    assert sorted(saved) == sorted([(6, 2 * 37), (5, 37)])
+
+
+def test_swiglu_linear_under_autocast_casts_the_weight():
+    """Under autocast gate_up comes in autocast's dtype and the fp32 weight is cast to it, as autocast's linear
+    does; the gradients come back in each input's dtype."""
+    gate_up = torch.randn(4, 2 * 19, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(3, 19, requires_grad=True)
+    with torch.autocast(DEVICE, dtype=torch.bfloat16):
+        y = swiglu_linear(gate_up, weight)
+        ref = torch.nn.functional.linear(reference.swiglu(gate_up), weight)
+    assert y.dtype == ref.dtype == torch.bfloat16 and rel(y, ref) < 1e-2
+    y.float().sum().backward()
+    assert gate_up.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+
+
+def test_swiglu_kernels_take_and_give_rows_with_padded_strides():
     """An odd width (SwiGLU's hidden 2389) gets 16-byte aligned rows, as inductor pads its buffers, so the next
     matmul stays on cuBLAS's aligned path; inputs with padded rows are read in place."""
     padded = torch.randn(6, 2 * 37 + 6)[:, :2 * 37]
     dh = torch.randn(6, 40)[:, :37]
-    h, d_gate_up = torch.ops.fused.swiglu_fwd(padded), torch.ops.fused.swiglu_bwd(dh, padded)
+    h = torch.ops.fused.swiglu_fwd(padded)
+    d_gate_up, h_again = torch.ops.fused.swiglu_bwd(dh, padded)
     (ref,), (ref_d,) = grads_of(reference.swiglu, [padded], dh)
-    assert h.stride(0) == 40 and d_gate_up.stride(0) == 76          # fp32: rows rounded up to 4 elements
-    assert rel(h, ref) < 1e-5 and rel(d_gate_up, ref_d) < 1e-5
+    assert h.stride(0) == h_again.stride(0) == 40 and d_gate_up.stride(0) == 76   # fp32: rows rounded up to 4
+    assert rel(h, ref) < 1e-5 and rel(d_gate_up, ref_d) < 1e-5 and torch.equal(h_again, h)
 
 
-def test_swiglu_rejects_an_odd_packed_axis():
+def test_swiglu_linear_rejects_bad_shapes():
     with pytest.raises(ValueError, match="even"):
-        swiglu(torch.randn(2, 7))
+        swiglu_linear(torch.randn(2, 7), torch.randn(3, 3))
+    with pytest.raises(ValueError, match="hidden size 4"):
+        swiglu_linear(torch.randn(2, 8), torch.randn(3, 5))
 
 
 @pytest.mark.parametrize("x_dtype,y_dtype,out_dtype", [
@@ -177,9 +281,10 @@ def test_add_rms_norm_matches_reference(x_dtype, y_dtype, out_dtype, with_sum_gr
 
 @pytest.mark.parametrize("dtype,out_dtype", [(torch.float32, None), (torch.float32, torch.bfloat16),
                                              (torch.bfloat16, None)])
-def test_rms_norm_matches_reference(dtype, out_dtype):
-    x, w = torch.randn(11, 67, dtype=dtype), 1 + 0.1 * torch.randn(67)
-    dout = torch.randn(11, 67, dtype=out_dtype or torch.promote_types(dtype, w.dtype))
+@pytest.mark.parametrize("M,C", [(11, 67), (100, 1000)])   # a backward strip of 13 rows: 6 full tiles of 2, one of 1
+def test_rms_norm_matches_reference(dtype, out_dtype, M, C):
+    x, w = torch.randn(M, C, dtype=dtype), 1 + 0.1 * torch.randn(C)
+    dout = torch.randn(M, C, dtype=out_dtype or torch.promote_types(dtype, w.dtype))
     (out,), (dx, dw) = grads_of(lambda x, w: rms_norm(x, w, 1e-6, out_dtype), [x, w], dout)
     (ref,), (ref_dx, ref_dw) = grads_of(lambda x, w: reference.rms_norm(x.float(), w, 1e-6), [x, w], dout.float())
     assert out.dtype == dout.dtype and dx.dtype == dtype and dw.dtype == w.dtype
@@ -334,15 +439,36 @@ def test_linear_cross_entropy_real_size_gpu(impl):
 
 
 @pytest.mark.gpu
+def test_cross_entropy_grad_kernel_real_size_gpu():
+    """The softmax step's kernel at Baseline-S's vocabulary (50304, bf16) on more than 2^31 logits (element offsets
+    past int32), ignored rows and a target at the last column: the first 8192 rows (one default chunk) and the
+    last 64 against autograd in fp32."""
+    from kernels.fused.op import cross_entropy_grad
+    vocab = 50304
+    n = 2 ** 31 // vocab + 64
+    logits = (4 * torch.randn(n, vocab, device="cuda", dtype=torch.bfloat16))
+    targets = targets_with_ignored(n, vocab, used_vocab=50257, device="cuda")
+    targets[-1] = vocab - 1
+    keep = targets != -1
+    checked = torch.cat([torch.arange(8192, device="cuda"), torch.arange(n - 64, n, device="cuda")])
+    ref_losses, ref_grad = torch_cross_entropy_grad(logits[checked], targets[checked])
+    ref_grad *= (targets[checked] != -1).sum() / keep.sum()       # the mean over all n rows, not the checked ones
+    losses, grad = cross_entropy_grad(logits, targets, keep, keep.sum())
+    assert rel(losses[checked], ref_losses) < 1e-6 and rel(grad[checked], ref_grad) < 1e-2
+    assert (grad[checked][~keep[checked]] == 0).all() and grad[-1, -1] < 0
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_and_rms_norm_real_size_gpu(dtype):
     """Baseline-S's MLP (hidden 2389, odd) and norms on 16 x 2048 tokens."""
     M, d, hidden = 16 * 2048, 896, 2389
-    gate_up, dh = torch.randn(M, 2 * hidden, device="cuda", dtype=dtype), torch.randn(M, hidden, device="cuda",
-                                                                                        dtype=dtype)
-    (h,), (dg,) = grads_of(swiglu, [gate_up], dh)
-    (ref,), (ref_dg,) = grads_of(lambda g: reference.swiglu(g.float()), [gate_up.float()], dh.float())
-    assert rel(h, ref) < TOLERANCE[dtype] and rel(dg, ref_dg) < TOLERANCE[dtype]
+    gate_up = torch.randn(M, 2 * hidden, device="cuda", dtype=dtype)
+    w_down = torch.randn(d, hidden, device="cuda", dtype=dtype) / hidden ** 0.5
+    dy = torch.randn(M, d, device="cuda", dtype=dtype)
+    (y,), grads = grads_of(swiglu_linear, [gate_up, w_down], dy)
+    (ref,), ref_grads = grads_of(swiglu_linear_reference, [gate_up.float(), w_down.float()], dy.float())
+    assert rel(y, ref) < TOLERANCE[dtype] and all(rel(g, r) < TOLERANCE[dtype] for g, r in zip(grads, ref_grads))
     x, y, w = torch.randn(M, d, device="cuda"), torch.randn(M, d, device="cuda", dtype=dtype), \
         1 + 0.1 * torch.randn(d, device="cuda")
     ds, dout = torch.randn(M, d, device="cuda"), torch.randn(M, d, device="cuda", dtype=dtype)

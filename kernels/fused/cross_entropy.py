@@ -5,20 +5,25 @@ dtype), their log-sum-exp in fp32, the chunk's loss, and at once the gradient of
 to those logits, softmax - onehot(target), divided by the number of counted targets and zero on ignored
 rows. That gradient goes straight into the chunk's dx = g W and into dW += g^T x_c (fp32); the logits are
 then dropped. So memory holds one chunk's logits and gradient instead of all N x V of them (and of their
-fp32 copy), and the backward only scales the stored dx and dW by the incoming gradient of the loss.
+fp32 copy), and the backward only scales the stored dx and dW by the incoming gradient of the loss. Where the
+Triton kernels run (op.use_triton) the softmax step is one kernel, op.cross_entropy_grad, that reads each row
+of the logits twice and writes its gradient once: a chunk holds its logits and their gradient in the compute
+dtype, no fp32 copies.
 
 The loss is the reference's (reference.linear_cross_entropy): logits rounded to the compute dtype, then
 softmax in fp32 over all V rows of W (a padded vocabulary's rows included). Under autocast the compute dtype
 is autocast's, else the promoted dtype of x and W.
 
-Written in plain PyTorch so that torch.compile traces it whole: the chunk loop unrolls and the softmax,
-its gradient and the casts fuse into a few kernels per chunk around the three matmuls.
+The rest is plain PyTorch, so that torch.compile traces it whole: the chunk loop unrolls, the kernel is one
+opaque custom op per chunk around the three matmuls. Elsewhere (CPU, fp64) and for the loss alone the softmax
+is PyTorch too, which inductor fuses into a few kernels per chunk.
 """
 import torch
 
+from kernels.fused.op import cross_entropy_grad, use_triton
 from kernels.triton_utils import interpreting
 
-DEFAULT_CHUNK = 8192   # tokens per chunk: bf16 logits and their gradient take 2 * chunk * V * 2 bytes
+DEFAULT_CHUNK = 8192   # tokens per chunk: its bf16 logits and their gradient take 2 * chunk * V * 2 bytes
 
 
 def compute_dtype(x, weight):
@@ -53,26 +58,39 @@ def _chunks(x, weight, targets, ignore_index, chunk_size, with_grads):
     """_loss_and_grads with x (N, d) and W (V, d) in the compute dtype."""
     counted = targets != ignore_index
     n_counted = counted.sum()
-    columns = torch.arange(weight.size(0), device=x.device)
     loss_sum = torch.zeros((), device=x.device, dtype=torch.float32)
     dw = torch.zeros(weight.shape, device=x.device, dtype=torch.float32) if with_grads else None
     dx = []
     for start in range(0, x.size(0), chunk_size):
         x_c = x[start:start + chunk_size]
-        keep = counted[start:start + chunk_size]
-        target = torch.where(keep, targets[start:start + chunk_size], 0)[:, None]
-        logits = (x_c @ weight.t()).float()
-        lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-        loss_sum = loss_sum + ((lse - logits.gather(1, target)).squeeze(1) * keep).sum()
-        if not with_grads:
-            continue
-        # d mean / d logits = (softmax - onehot(target)) / n_counted on counted rows, 0 on ignored ones
-        probs = torch.exp(logits - lse)
-        scale = (keep / n_counted)[:, None]
-        grad = (torch.where(columns == target, probs - 1, probs) * scale).to(x.dtype)
-        dx.append(grad @ weight)
-        dw = dw + (grad.t() @ x_c).float()
+        chunk = (targets[start:start + chunk_size], counted[start:start + chunk_size], n_counted)
+        logits = x_c @ weight.t()
+        if with_grads and use_triton(logits):
+            loss, grad = cross_entropy_grad(logits, *chunk)
+            loss_sum = loss_sum + loss.sum()
+        else:
+            loss, grad = _torch_loss_and_grad(logits, *chunk, with_grads)
+            loss_sum = loss_sum + loss
+        if with_grads:
+            dx.append(grad @ weight)
+            dw = dw + (grad.t() @ x_c).float()
     return loss_sum / n_counted, torch.cat(dx) if with_grads else None, dw
+
+
+def _torch_loss_and_grad(logits, targets, keep, n_counted, with_grads):
+    """The summed loss of one chunk's logits (n, V) and, with_grads, the gradient of the mean loss with respect
+    to them in their dtype (else None): what the Triton kernel computes (cross_entropy_grad), in PyTorch."""
+    target = torch.where(keep, targets, 0)[:, None]
+    dtype, logits = logits.dtype, logits.float()
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    loss = ((lse - logits.gather(1, target)).squeeze(1) * keep).sum()
+    if not with_grads:
+        return loss, None
+    # d mean / d logits = (softmax - onehot(target)) / n_counted on counted rows, 0 on ignored ones
+    probs = torch.exp(logits - lse)
+    columns = torch.arange(logits.size(1), device=logits.device)
+    scale = (keep / n_counted)[:, None]
+    return loss, (torch.where(columns == target, probs - 1, probs) * scale).to(dtype)
 
 
 def chunked_linear_cross_entropy(x, weight, targets, ignore_index=-1, chunk_size=DEFAULT_CHUNK):

@@ -1,11 +1,12 @@
-"""swiglu, rms_norm and add_rms_norm: the Triton kernels (triton.py) as torch custom ops joined by autograd, so
-torch.compile keeps each kernel one opaque call in its graph (no graph break), with the torch reference where
-Triton cannot run (CPU without TRITON_INTERPRET=1; fp64)."""
+"""swiglu_linear, rms_norm, add_rms_norm and cross_entropy_grad: the Triton kernels (triton.py) as torch custom
+ops (the first three joined by autograd), so torch.compile keeps each kernel one opaque call in its graph (no
+graph break), with the torch reference where Triton cannot run (CPU without TRITON_INTERPRET=1; fp64)."""
 from typing import Optional
 
 import torch
 
 from kernels.fused import reference
+from kernels.fused import triton as fused_triton
 from kernels.fused.triton import aligned_empty, rms_norm_backward, rms_norm_forward, swiglu_backward, swiglu_forward
 from kernels.triton_utils import interpreting, triton
 
@@ -15,7 +16,7 @@ def use_triton(x):
     return triton is not None and (x.is_cuda or interpreting()) and x.dtype != torch.float64
 
 
-# ----------------------------------------------------------------------------- SwiGLU
+# ----------------------------------------------------------------------------- SwiGLU + down projection
 
 @torch.library.custom_op("fused::swiglu_fwd", mutates_args=())
 def _swiglu_fwd(gate_up: torch.Tensor) -> torch.Tensor:
@@ -28,33 +29,51 @@ def _(gate_up):
 
 
 @torch.library.custom_op("fused::swiglu_bwd", mutates_args=())
-def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+def _swiglu_bwd(dh: torch.Tensor, gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> d gate_up, and h = silu(a) * b recomputed."""
     return swiglu_backward(dh, gate_up)
 
 
 @_swiglu_bwd.register_fake
 def _(dh, gate_up):
-    return aligned_empty(gate_up.shape, gate_up)
+    return aligned_empty(gate_up.shape, gate_up), aligned_empty((*gate_up.shape[:-1], gate_up.size(-1) // 2), gate_up)
 
 
-def _swiglu_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0])
+class SwiGLULinear(torch.autograd.Function):
+    """F.linear(silu(a) * b, weight, bias) that keeps only gate_up = [a | b] (and the weight) for the backward:
+    the backward kernel, which reads a and b for d gate_up anyway, writes h = silu(a) * b again for the weight
+    gradient. So no (..., H) h is held from the forward to the backward, as torch.compile's partitioner does
+    not keep it for the unfused silu(a) * b either (it recomputes elementwise work)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, weight, bias):
+        ctx.save_for_backward(gate_up, weight)
+        ctx.has_bias = bias is not None
+        with torch.autocast(gate_up.device.type, enabled=False):     # the caller cast weight and bias
+            return torch.nn.functional.linear(_swiglu_fwd(gate_up), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dout):
+        gate_up, weight = ctx.saved_tensors
+        d_gate_up, h = _swiglu_bwd(dout @ weight, gate_up)
+        dout_rows = dout.reshape(-1, dout.size(-1))
+        d_weight = dout_rows.t() @ h.reshape(-1, h.size(-1))
+        return d_gate_up, d_weight, (dout_rows.sum(0) if ctx.has_bias else None)
 
 
-def _swiglu_grad(ctx, dh):
-    return _swiglu_bwd(dh, *ctx.saved_tensors)
-
-
-_swiglu_fwd.register_autograd(_swiglu_grad, setup_context=_swiglu_setup)
-
-
-def swiglu(gate_up):
-    """silu(a) * b of a packed projection gate_up (..., 2H) = [a | b] -> (..., H), in gate_up's dtype."""
+def swiglu_linear(gate_up, weight, bias=None):
+    """F.linear(silu(a) * b, weight, bias) of a packed projection gate_up (..., 2H) = [a | b], weight (out, H).
+    The Triton path computes in gate_up's dtype: under autocast gate_up is already in autocast's dtype, and
+    the weight is cast to it as autocast's linear would."""
     if gate_up.size(-1) % 2:
         raise ValueError(f"swiglu takes a packed [gate | up] last axis of even size, got {gate_up.size(-1)}")
+    if weight.size(-1) != gate_up.size(-1) // 2:
+        raise ValueError(f"swiglu_linear: weight of shape {tuple(weight.shape)} does not take the hidden size "
+                         f"{gate_up.size(-1) // 2} of gate_up {tuple(gate_up.shape)}")
     if not use_triton(gate_up):
-        return reference.swiglu(gate_up)
-    return _swiglu_fwd(gate_up)
+        return torch.nn.functional.linear(reference.swiglu(gate_up), weight, bias)
+    weight, bias = weight.to(gate_up.dtype), (bias.to(gate_up.dtype) if bias is not None else None)
+    return SwiGLULinear.apply(gate_up, weight, bias)
 
 
 # ----------------------------------------------------------------------------- RMSNorm (+ residual add)
@@ -129,3 +148,30 @@ def add_rms_norm(x, y, weight, eps, out_dtype=None):
         return s, out.to(out_dtype)
     out, _, s = _rms_norm_fwd(x.contiguous(), y.contiguous(), weight, eps, out_dtype)
     return s, out
+
+
+# ----------------------------------------------------------------------------- cross-entropy softmax + gradient
+
+@torch.library.custom_op("fused::cross_entropy_grad", mutates_args=())
+def _cross_entropy_grad(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+                        n_counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return fused_triton.cross_entropy_grad(logits, targets, keep, n_counted)
+
+
+@_cross_entropy_grad.register_fake
+def _(logits, targets, keep, n_counted):
+    return logits.new_empty(logits.size(0), dtype=torch.float32), logits.new_empty(logits.shape)
+
+
+def cross_entropy_grad(logits, targets, keep, n_counted):
+    """Per row of logits (n, V): the loss lse - logit[target] where keep (n,) is True, else 0 (fp32 (n,)), and
+    the gradient of sum(losses) / n_counted (a 1-element tensor) with respect to the logits, in their dtype:
+    (softmax - onehot(target)) * keep / n_counted, zero on rows not kept. Triton only (use_triton). Out of
+    place: an op that overwrote the logits would leave torch.compile's functionalization and reinplacing to
+    prove the matmul's output dead, for a saving of one chunk's logits."""
+    n = logits.size(0)
+    if logits.dim() != 2 or logits.stride(1) != 1 or targets.shape != (n,) or keep.shape != (n,):
+        raise ValueError(f"cross_entropy_grad takes logits (n, V) with contiguous rows and targets, keep (n,); got "
+                         f"{tuple(logits.shape)} (strides {logits.stride()}), {tuple(targets.shape)}, "
+                         f"{tuple(keep.shape)}")
+    return _cross_entropy_grad(logits, targets, keep, n_counted.reshape(1))
