@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
 #   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels off / on (default; loss chunks of 8192 and 4096 tokens) vs plain PyTorch
+#   [FUSED_SPECS="norm all"] bash scripts/gpu_session.sh fusedeach   # Baseline-S with each fused option alone, one
+#                                                    # process each; a stall dumps its Python stacks (FUSED_TIMEOUT s)
 #   bash scripts/gpu_session.sh autotune             # Baseline-S compiled with max-autotune (Triton matmul templates) vs plain PyTorch
 #   bash scripts/gpu_session.sh mfu                  # Baseline-M, Transformer (LLaMA) 360M: MFU with the default (fused) kernels
 #   [PROFILE_MODELS="A B"] bash scripts/gpu_session.sh profile   # where each model's step goes (CUDA kernel table)
@@ -67,6 +69,12 @@ case "${1:-tests}" in
   train)   shift; python -m scripts.bench_train "$@" 2>&1 | tee "$OUT/bench_train.log" | tail -16 ;;
   fused)   python -m scripts.bench_train --models baseline_paper_S baseline_paper_S:model.fused_loss_chunk=4096 --fused none default \
              --steps 15 --plain .whl/plain_llama_step.py 2>&1 | tee "$OUT/bench_fused.log" | tail -10 ;;
+  fusedeach) for spec in ${FUSED_SPECS:-loss=chunked norm swiglu=triton all}; do   # one process per option; one that
+             # runs past FUSED_TIMEOUT s dumps every thread's Python stack (faulthandler on SIGABRT) into its log
+             PYTHONFAULTHANDLER=1 timeout -s ABRT ${FUSED_TIMEOUT:-200} python -m scripts.bench_train \
+               --models baseline_paper_S --fused $spec --steps 10 > "$OUT/fused_${spec//[=,]/_}.log" 2>&1
+             tail -n 3 "$OUT/fused_${spec//[=,]/_}.log"
+           done ;;
   autotune) python -m scripts.bench_train --models baseline_paper_S \
              --compile-mode max-autotune-no-cudagraphs --steps 15 --plain .whl/plain_llama_step.py 2>&1 \
              | tee "$OUT/bench_autotune.log" | tail -8 ;;
@@ -157,5 +165,5 @@ case "${1:-tests}" in
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;
   compare) bash scripts/compare_small.sh .gpu_data/text /tmp/compare 2>&1 | tee "$OUT/compare.log"
            cp /tmp/compare/*.png "$OUT/" ;;
-  *)       echo "unknown stage $1: setup | parallel STAGE... | tests | tests2 | train | fused | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios | profile"; exit 2 ;;
+  *)       echo "unknown stage $1: setup | parallel STAGE... | tests | tests2 | train | fused | fusedeach | autotune | mfu | memory | tiles | kernels | multi | scale | fsdp | ac | window | fp8 | xs | decode | decodetests | compare | ratios | profile"; exit 2 ;;
 esac
