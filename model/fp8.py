@@ -51,17 +51,20 @@ def block_linears(model):
             if type(module) is nn.Linear and name.startswith("blocks.") and ".attn.layer." not in name]
 
 
+def fits_fp8(linear):
+    """Whether both widths are multiples of 16, as the float8 matmul needs."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
 def fp8_layer_names(model):
     """The names of the nn.Linear layers convert_to_fp8 converts (see the module docstring)."""
-    return [name for name, module in block_linears(model)
-            if module.in_features % 16 == 0 and module.out_features % 16 == 0]
+    return [name for name, module in block_linears(model) if fits_fp8(module)]
 
 
 def fp8_left_out(model):
     """A note on the block linears that stay bf16 because a width is not a multiple of 16 ("" if none): the
     papers' SwiGLU hidden sizes (8/3 d, e.g. 2730 at d = 1024) leave the whole MLP, most of the FLOPs, in bf16."""
-    converted = set(fp8_layer_names(model))
-    left = [(name, m) for name, m in block_linears(model) if name not in converted]
+    left = [(name, m) for name, m in block_linears(model) if not fits_fp8(m)]
     if not left:
         return ""
     name, m = left[0]

@@ -61,7 +61,7 @@ case "${1:-tests}" in
            done; wait
            for name in "${names[@]}"; do echo "== $name"; tail -n 12 "$OUT/$name.txt"; done
            tar czf "$OUT/logs.tgz" -C "$OUT" "${names[@]}" "${names[@]/%/.txt}" ;;
-  tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py 2>&1 \
+  tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py tests/test_castle_decode.py 2>&1 \
              | tee "$OUT/pytest_gpu.log" | tail -8 ;;
   tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
              tests/test_tree.py tests/test_sharded_decode.py tests/test_fp8.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
@@ -158,8 +158,8 @@ case "${1:-tests}" in
              python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 --compiled --bandwidth-gbs $BW 2>&1 \
                | tee -a "$OUT/bench_decode_variants.log" | tail -5
            done
-           python -m pytest -m gpu -q -rs tests/test_decode_graph.py tests/test_castle_kernels.py \
-             -k "not (mamba2 or hgrn2 or deltanet) and (graph or static or decode)" 2>&1 \
+           python -m pytest -m gpu -q -rs tests/test_decode_graph.py tests/test_castle_decode.py \
+             -k "not (mamba2 or hgrn2 or deltanet)" 2>&1 \
              | tee "$OUT/pytest_decode.log" | tail -4
            python -m pytest -m gpu -q -rs tests/test_decode_graph.py -k "mamba2 or hgrn2 or deltanet" 2>&1 \
              | tee "$OUT/pytest_decode_recurrent.log" | tail -4 ;;

@@ -1,7 +1,8 @@
 """The CASTLE paper's ablations as model options and experiment configs (CASTLE, arXiv:2509.07301 §5.2):
 model.castle_causal_keys=false (Table 5), model.castle_silu=false (Table 10) and the -16 models (Tables
-7-9). The attention itself is tested against its definitions in tests/test_castle_kernels.py; here the
-model: parameter counts, cached decoding, and the errors for options set on a model that has none.
+7-9). The attention itself is tested against its definitions in tests/test_castle_kernels.py and
+test_castle_decode.py; here the model: parameter counts, cached decoding, and the errors for options set on a
+model that has none.
 """
 import pytest
 import torch

@@ -215,7 +215,7 @@ def test_static_castle_cache_equals_dynamic(window):
     """castle_decode over a CastleCache turned static (the position a device tensor) equals dynamic decoding
     (fp64), also for the windows no model makes: W = 0 (no Q^U kept) and W above the capacity (the Q^U ring
     spans the cache); U, K^C, V^C end equal to the dynamic cache's. (The fused kernel's static steps:
-    tests/test_castle_kernels.py.)"""
+    tests/test_castle_decode.py.)"""
     B, H, L, D, P = 2, 3, 12, 4, 5
     xs = [torch.randn(B, H, L, D, dtype=torch.float64) for _ in range(6)]
     dynamic, static = (castle_prefill(*[x[..., :P, :] for x in xs], window=window, max_len=L)[1] for _ in range(2))
