@@ -12,6 +12,11 @@
       as a Python int (a loop bound computed in the kernel: `range(lo, hi)`);
     * tl.dot of bf16 tiles multiplies their raw uint16 bit patterns;
     * fp32 -> bf16 casts truncate instead of rounding to nearest even.
+- With torch < 2.13 and Triton installed, it bounds inductor's custom-op diagnostics (brief_operator_str):
+  those versions format the "Creating implicit fallback" INFO line even with INFO off, by str() of every
+  argument's IR, a DAG printed as a tree (exponential in depth). The chunked loss's custom op, first met
+  behind every layer's fused RMSNorm, stalled Baseline-S's compile for minutes. pytorch/pytorch#185951
+  made the line lazy.
 - `LOG2E`: the kernels' softmaxes run in base 2 (exp2 / log2), with log2(e) folded into the logits.
 - `padded_head_dim(D)`: the head dim the kernels' tiles take; `at_least_fp32(dtype)`: the dtype
   statistics and torch references compute in.
@@ -19,6 +24,7 @@
 import os
 
 import torch
+from torch.torch_version import TorchVersion
 
 try:
     import triton
@@ -46,6 +52,34 @@ def require_triton(what, instead):
 def padded_head_dim(D):
     """The head dim of the kernels' tiles: the next power of two, at least 16 (96 -> 128, masked or padded)."""
     return max(16, 1 << (D - 1).bit_length())
+
+
+def brief_operator_str(target, args, kwargs):
+    """Inductor's OperatorIssue.operator_str (its messages about an op it cannot lower), with each IR argument
+    shown by its type, size and dtype instead of str() of the whole IR tree behind it."""
+    def brief(arg):
+        if isinstance(arg, (list, tuple)):
+            return "[" + ", ".join(map(brief, arg)) + "]"
+        if arg is None or isinstance(arg, (bool, int, float, str, torch.dtype, torch.device)):
+            return repr(arg)
+        try:
+            return f"{type(arg).__name__}(size={list(arg.get_size())}, dtype={arg.get_dtype()})"
+        except (AttributeError, NotImplementedError):   # not a tensor-like IR node
+            return type(arg).__name__
+    lines = [f"target: {target}"] + [f"args[{i}]: {brief(arg)}" for i, arg in enumerate(args)]
+    lines += [f"kwargs: {{{', '.join(f'{k}: {brief(v)}' for k, v in kwargs.items())}}}"] if kwargs else []
+    return "\n".join("  " + line for line in lines)
+
+
+def inductor_formats_fallbacks_eagerly(version=torch.__version__):
+    """Whether this torch's inductor builds the implicit-fallback log line even when INFO is off."""
+    return TorchVersion(version) < "2.13"
+
+
+if triton is not None and inductor_formats_fallbacks_eagerly():
+    from torch._inductor import exc as _inductor_exc
+
+    _inductor_exc.OperatorIssue.operator_str = staticmethod(brief_operator_str)
 
 
 if triton is not None:

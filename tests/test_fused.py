@@ -496,19 +496,23 @@ def real_text_batches(steps, batch, seq_len, device):
 @pytest.mark.slow
 def test_fused_training_follows_the_unfused_loss_curve_gpu():
     """50 AdamW steps of a small LLaMA on real text, compiled, bf16: the fused run's losses stay within bf16
-    noise of the unfused run's while both fall."""
+    noise of the unfused run's while both fall. The learning rate and clipping keep training out of the chaotic
+    regime, where any rounding difference grows into a different curve: at lr 2e-3 unclipped, two unfused runs
+    that differ only in matmul rounding (fused_swiglu="packed") ended 0.1-0.2 apart. Here that pair stays
+    within 0.008, and the fused run within 0.004 (H200)."""
     def train(**fused):
         torch.manual_seed(0)
         config = GPTConfig(vocab_size=50304, tokenizer_vocab_size=50257, block_size=256, n_layer=4, n_head=4,
                            n_embd=256, **{**UNFUSED, **fused})
         model = GPT(config).cuda()
-        opt = torch.optim.AdamW(model.param_groups(0.1), lr=2e-3, fused=True)
+        opt = torch.optim.AdamW(model.param_groups(0.1), lr=5e-4, fused=True)
         run = torch.compile(model)
         losses = []
         for x, y in real_text_batches(50, 16, 256, "cuda"):
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 _, loss = run(x, y)
             loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.item())
@@ -518,7 +522,7 @@ def test_fused_training_follows_the_unfused_loss_curve_gpu():
     unfused, fused = train(), train(**ALL_FUSED)
     assert unfused[-5:].mean() < unfused[:5].mean() - 2            # it learns
     gap = (fused - unfused).abs()
-    assert gap.max() < 0.15 and gap.mean() < 0.05, (unfused.tolist(), fused.tolist())
+    assert gap.max() < 0.03 and gap.mean() < 0.005, (unfused.tolist(), fused.tolist())
 
 
 # ----------------------------------------------------------------------------- scripts/bench_train.py --fused

@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from kernels.triton_utils import at_least_fp32, padded_head_dim
+from kernels.triton_utils import (at_least_fp32, brief_operator_str, inductor_formats_fallbacks_eagerly,
+                                  padded_head_dim, triton)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -24,6 +25,32 @@ def run_python(code, **env):
 def test_helpers():
     assert [padded_head_dim(d) for d in (1, 16, 17, 64, 96, 128)] == [16, 16, 32, 64, 128, 128]
     assert at_least_fp32(torch.bfloat16) == torch.float32 and at_least_fp32(torch.float64) == torch.float64
+
+
+class DeepIR:
+    """An inductor IR node whose str() would walk a whole graph: any call of it fails."""
+    def __str__(self):
+        raise AssertionError("str() of an IR argument")
+    __repr__ = __str__
+
+    def get_size(self):
+        return (8, 50304)
+
+    def get_dtype(self):
+        return torch.bfloat16
+
+
+def test_inductor_operator_messages_never_print_ir_trees():
+    text = brief_operator_str("fused::cross_entropy_grad", [DeepIR(), [DeepIR(), 3], None], {"eps": 1e-5})
+    assert text.splitlines() == ["  target: fused::cross_entropy_grad",
+                                 "  args[0]: DeepIR(size=[8, 50304], dtype=torch.bfloat16)",
+                                 "  args[1]: [DeepIR(size=[8, 50304], dtype=torch.bfloat16), 3]",
+                                 "  args[2]: None", "  kwargs: {eps: 1e-05}"]
+    assert inductor_formats_fallbacks_eagerly("2.11.0+cu130") and inductor_formats_fallbacks_eagerly("2.12.1")
+    assert not inductor_formats_fallbacks_eagerly("2.13.0")
+    from torch._inductor.exc import OperatorIssue   # bounded exactly where this torch formats eagerly
+    bounded = triton is not None and inductor_formats_fallbacks_eagerly()
+    assert (OperatorIssue.operator_str is brief_operator_str) == bounded
 
 
 # bf16 tiles reach tl.dot (FoX) and fp32 -> bf16 casts (both outputs); FoX's loops over key tiles and
