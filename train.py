@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from data.loader import build_loader
 from data.tokenizer import tokenizer_for
+from evaluation import ValSplit
 from evaluation.heldout import mean_loss
 from evaluation.plots import plot_runs
 from evaluation.samples import stream_text
@@ -378,6 +379,13 @@ class Metrics:
             self.wandb.finish()
 
 
+def check_val_split(cfg):
+    """Validation (every train.eval_interval steps and after the last step, before the final checkpoint) reads
+    micro-batches of train.seq_len tokens from the val split: a split too small for one is refused before
+    training, naming the option to lower, not at the first evaluation."""
+    ValSplit(cfg.data).check(cfg.train.seq_len, cfg.train.micro_batch_size, "train.seq_len", "train.micro_batch_size")
+
+
 @torch.no_grad()
 def validation_loss(model, cfg, dist_info, autocast):
     """Mean loss over cfg.train.eval_tokens validation tokens, read from the start every time."""
@@ -462,6 +470,7 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     optimizer = make_optimizer(raw_model, cfg.optim, device)
     B, T = cfg.train.micro_batch_size, cfg.train.seq_len
     loader = build_loader(cfg.data, "train", B, T, dist_info.rank, dist_info.world)
+    check_val_split(cfg)
 
     step, wandb_id = 0, None
     if ckpt is not None:

@@ -147,6 +147,17 @@ def test_every_train_and_optim_option_is_checked():
     train.check_train_options(cfg)                      # the defaults pass
 
 
+def test_a_val_split_too_small_for_one_micro_batch_is_refused_before_training(tmp_path):
+    """The bundled sample holds 24,576 validation tokens: a paper recipe's 16 x 2048 micro-batch is refused up
+    front (it used to train to the end and fail at the final evaluation, before the last checkpoint)."""
+    data = ["data=sample", f"data.dir={tmp_path}"]
+    message = error_of(train.check_val_split, compose_config("config", data + ["train.seq_len=2048"]))
+    assert "train.seq_len=2048 is out of range" in message and "choose train.seq_len in [1, 1535]" in message
+    message = error_of(train.check_val_split, compose_config("config", data + ["train.micro_batch_size=30000"]))
+    assert "train.micro_batch_size=30000 is too large" in message
+    train.check_val_split(compose_config("config", data + ["train.seq_len=1535"]))        # one batch fits
+
+
 @pytest.mark.parametrize("model", ["llama", "gpt2", "castle", "castle_swl", "fox_pro"])
 def test_block_size_below_seq_len_is_refused_for_every_position_type(model):
     """RoPE tables, learned positions, CASTLE: a context longer than block_size never trains silently."""
