@@ -616,14 +616,14 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
                                     **({"mfu": f"{record['mfu']:.1%}"} if "mfu" in record else {}),
                                     eta=tqdm.format_interval(record["eta_s"]))
                     metrics.log(record)
+            if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:   # saved before its evaluation,
+                untimed(lambda: checkpoint(step))                                     # which cannot lose it then
             if step % cfg.train.eval_interval == 0 or step == cfg.train.max_steps:
                 val = untimed(lambda: validation_loss(model, cfg, dist_info, autocast))
                 summary["val_loss"] = val
                 if dist_info.master:
                     bar.write(f"step {step}: val loss {val:.4f}")
                     metrics.log({"step": step, "val_loss": val})
-            if step % cfg.train.ckpt_interval == 0 or step == cfg.train.max_steps:
-                untimed(lambda: checkpoint(step))
             if pending is not None and pending[0].done():
                 finish_checkpoint()
             if stop.agreed(dist_info):
