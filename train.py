@@ -380,9 +380,9 @@ class Metrics:
 
 
 def check_val_split(cfg):
-    """Validation (every train.eval_interval steps and after the last step, before the final checkpoint) reads
-    micro-batches of train.seq_len tokens from the val split: a split too small for one is refused before
-    training, naming the option to lower, not at the first evaluation."""
+    """Validation (every train.eval_interval steps and after the last step) reads micro-batches of train.seq_len
+    tokens from the val split: a split too small for one is refused before training, naming the option to lower,
+    not at the first evaluation."""
     ValSplit(cfg.data).check(cfg.train.seq_len, cfg.train.micro_batch_size, "train.seq_len", "train.micro_batch_size")
 
 
