@@ -26,11 +26,12 @@ from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefi
 from kernels.forgetting import forgetting_attn, forgetting_decode
 from kernels.fused import DEFAULT_CHUNK, LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu_linear
 from kernels.fused import reference as fused_reference
+from kernels.llama_step import MAX_BATCH as FUSED_MAX_BATCH
 from kernels.sdpa import decode_sdpa
 from model.cache import InferenceCache, SoftmaxCache, WindowCache, attend_rows
 from model.recurrent import LAYERS as RECURRENT_LAYERS
 from model.recurrent import RECURRENT_ATTENTIONS, check_widths
-from model.sampling import GraphedDecodeStep, check_sampling_options, sample_token
+from model.sampling import GraphedDecodeStep, check_sampling_options, fused_step_unsupported, sample_token
 
 
 @dataclass
@@ -627,8 +628,9 @@ class CastleAttention(nn.Module):
 
 register_attention("castle")(lambda config: CastleAttention(config, window=None))
 register_attention("castle_swl")(lambda config: CastleAttention(config, window=config.castle_window))
-# generate's cuda_graph: off, the eager step captured, the compiled one (and tuned: model/sampling.py COMPILE_OPTIONS)
-CUDA_GRAPH_MODES = (False, True, "compiled", "autotuned")
+# generate's cuda_graph: off, the eager step captured, the compiled one (and tuned: model/sampling.py COMPILE_OPTIONS),
+# the single-launch step of LLaMA blocks (model/sampling.py FusedDecodeStep)
+CUDA_GRAPH_MODES = (False, True, "compiled", "autotuned", "fused")
 for _name, _layer in RECURRENT_LAYERS.items():   # Mamba-2, HGRN2, DeltaNet, Gated DeltaNet: fla's layers
     register_attention(_name)(_layer)
 
@@ -831,7 +833,8 @@ class GPT(nn.Module):
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep); CUDA, one device, with the cache; every attention's caches take its static steps
         (model/cache.py InferenceCache.to_static). "compiled": the step is torch.compile'd before it is captured;
-        "autotuned": with max-autotune (slower to start, faster per token).
+        "autotuned": with max-autotune (slower to start, faster per token); "fused": LLaMA blocks only, the whole
+        step as one kernel launch (model/sampling.py FusedDecodeStep), logits in fp32.
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:
@@ -877,9 +880,14 @@ class GPT(nn.Module):
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
     def check_cuda_graph(self, cuda_graph, idx, use_cache, group):
-        """Raise a ValueError naming what keeps cuda_graph (True or "compiled") from decoding this model this way."""
+        """Raise a ValueError naming what keeps cuda_graph (any of CUDA_GRAPH_MODES) from decoding this model this way."""
         if cuda_graph not in CUDA_GRAPH_MODES:
             raise ValueError(f"cuda_graph takes one of {CUDA_GRAPH_MODES}, not {cuda_graph!r}")
+        if cuda_graph == "fused" and (reason := fused_step_unsupported(self.config)):
+            raise ValueError(f"cuda_graph='fused' decodes LLaMA blocks only, not {reason}: use cuda_graph='compiled'")
+        if cuda_graph == "fused" and idx.size(0) > FUSED_MAX_BATCH:
+            raise ValueError(f"cuda_graph='fused' decodes batches of up to {FUSED_MAX_BATCH} rows (it is built for "
+                             f"batch-1 latency), not {idx.size(0)}: use cuda_graph='compiled'")
         if not use_cache:
             raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
         if group is not None:

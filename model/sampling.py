@@ -1,8 +1,11 @@
 """Choosing the next token (check_sampling_options, sample_token) and the CUDA-graph decode step
-(GraphedDecodeStep) that GPT.generate_stream uses."""
+(GraphedDecodeStep, and FusedDecodeStep, its one-launch form for LLaMA blocks) that GPT.generate_stream uses."""
 import math
 
 import torch
+import torch.nn.functional as F
+
+from kernels.llama_step import LlamaStepWeights, decode_step
 
 
 # Inductor settings of a compiled decode step. "autotuned" adds max-autotune's Triton matmul templates and
@@ -23,19 +26,23 @@ class GraphedDecodeStep:
 
     compile (a key of COMPILE_OPTIONS, or None): the step is torch.compile'd first (Inductor fuses its
     pointwise ops into fewer kernels; the compilation happens in the first warm-up call), and the graph
-    captures the compiled kernels.
+    captures the compiled kernels; "fused": the step is FusedDecodeStep's single launch.
     """
 
     def __init__(self, model, cache, batch_size, warmup=2, compile=None):
         cache.to_static()
-        self.model = (model if compile is None
-                      else torch.compile(model, dynamic=False, options=COMPILE_OPTIONS[compile]))
+        if compile == "fused":
+            self.forward = FusedDecodeStep(model, cache)
+        else:
+            compiled = (model if compile is None
+                        else torch.compile(model, dynamic=False, options=COMPILE_OPTIONS[compile]))
+            self.forward = lambda token: compiled(token, cache=cache)[0]
         self.cache, self.warmup = cache, warmup
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=cache.position.device)
         self.calls, self.graph, self.logits = 0, None, None
 
     def step(self):
-        return self.model(self.token, cache=self.cache)[0]
+        return self.forward(self.token)
 
     def __call__(self, token):
         self.token.copy_(token)
@@ -53,6 +60,51 @@ class GraphedDecodeStep:
             self.graph.replay()
         self.calls += 1
         return self.logits
+
+
+def fused_step_unsupported(config):
+    """Why FusedDecodeStep cannot run a model of this GPTConfig (None: it can). It takes LLaMA blocks only:
+    RMSNorm, RoPE softmax attention over the whole context, SwiGLU, no biases, a power-of-two head dim."""
+    wanted = {"attention": "baseline", "norm": "rmsnorm", "mlp": "swiglu", "pos": "rope", "bias": False,
+              "attention_window": None, "qk_norm": False, "kv_shift": False, "output_gate": False,
+              "output_norm": False}
+    for name, value in wanted.items():
+        if getattr(config, name) != value:
+            return f"model.{name}={getattr(config, name)!r} (it takes {name}={value!r})"
+    D = config.head_dim
+    if D < 16 or D & (D - 1):
+        return f"model.head_dim={D} (it takes powers of two >= 16)"
+    return None
+
+
+class FusedDecodeStep:
+    """model(token, cache)[0] for a LLaMA-block model (fused_step_unsupported) over a static cache, as
+    kernels.llama_step's single launch: token (B, 1) -> fp32 logits (B, 1, V), and the position advanced.
+
+    The weights are packed once (a copy of the block matrices: the model's own tensors stay as they are), and
+    every layer's keys and values move into one stacked buffer, the layers' caches becoming views of it, so the
+    kernel reaches any layer's rows from one base pointer. impl: kernels.llama_step.decode_step's."""
+
+    def __init__(self, model, cache, impl="auto"):
+        blocks, config = model.blocks, model.config
+        cos, sin = model._rope(0, cache.max_len, model.lm_head.weight.device)
+        self.weights = LlamaStepWeights.pack(
+            [b.attn.qkv.weight for b in blocks], [b.attn.out.weight for b in blocks],
+            [b.mlp.w_gate.weight for b in blocks], [b.mlp.w_up.weight for b in blocks],
+            [b.mlp.w_down.weight for b in blocks], [b.norm_attn.weight for b in blocks],
+            [b.norm_mlp.weight for b in blocks], model.norm_f.weight, model.lm_head.weight, cos, sin,
+            config.head_dim)
+        self.k = torch.stack([layer.k for layer in cache.layers])
+        self.v = torch.stack([layer.v for layer in cache.layers])
+        for i, layer in enumerate(cache.layers):
+            layer.k, layer.v = self.k[i], self.v[i]
+        self.embedding, self.eps, self.cache, self.impl = model.wte.weight, config.norm_eps, cache, impl
+
+    def __call__(self, token):
+        x = F.embedding(token[:, 0], self.embedding)
+        logits = decode_step(x, self.cache.position, self.weights, self.k, self.v, self.eps, self.impl)
+        self.cache.advance(1)
+        return logits[:, None]
 
 
 def check_sampling_options(max_new_tokens, temperature, top_k, top_p):

@@ -5,6 +5,7 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
     python -m scripts.bench_decode --model fox_pro_360M --batch 1 --ctx 4096 --compiled   # + the compiled step
     python -m scripts.bench_decode --export-hf hf/llama360M-random   # write the random model for transformers
     python -m scripts.bench_decode --hf hf/llama360M-random          # both sides load this directory's weights
+    python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --fused   # + the single-launch LLaMA step
     python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile   # + where a step's time goes
     python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --inductor max_autotune=True   # Inductor options
     python -m scripts.bench_decode --device cpu --model tiny --ctx 64 --n 4 --batch 1   # smoke test
@@ -12,8 +13,8 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
 with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
 ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
-greedily: GPT.generate_stream without and with cuda_graph (--compiled, --autotuned: also those modes), transformers'
-generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
+greedily: GPT.generate_stream without and with cuda_graph (--compiled, --autotuned, --fused: also those modes),
+transformers' generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
 first few steps (a graph's warm-up steps and capture; transformers' compilation), each token waited for on the
 host as sample.py's printing does; tokens/s = B / that.
 
@@ -37,6 +38,7 @@ from pathlib import Path
 import torch
 import torch._inductor.config as inductor_config
 
+from kernels.llama_step import MAX_BATCH as FUSED_MAX_BATCH
 from model.gpt import GPT
 from model.hf.convert import export_hf, read_hf_model, write_imported_run
 from model.runtime import choose_device, choose_dtype
@@ -65,6 +67,8 @@ def parse(argv=None):
                    "torch.compile'd, then captured; compiling takes a minute per batch and context)")
     p.add_argument("--autotuned", action="store_true", help="also time cuda_graph='autotuned' (the compiled step "
                    "with max-autotune; tuning takes minutes per batch and context)")
+    p.add_argument("--fused", action="store_true", help="also time cuda_graph='fused' (LLaMA blocks: the whole "
+                   f"step as one kernel launch; batches up to {FUSED_MAX_BATCH})")
     p.add_argument("--profile", action="store_true", help=f"trace {PROFILED_STEPS} steps of each of our modes "
                    "(CUDA): kernels per step, their time, the costliest kernels")
     p.add_argument("--inductor", nargs="+", default=[], metavar="KEY=VALUE",
@@ -251,8 +255,11 @@ def main(argv=None):
             bound_ms = 1e3 * (weight_bytes(model) + cache_bytes(model.new_cache(B, ctx, device="meta"))) / (
                 args.bandwidth_gbs * 1e9)
             prompt = torch.randint(0, n_tokens, (B, ctx - args.n), device=device)
+            fused = args.fused and B <= FUSED_MAX_BATCH
+            if args.fused and not fused:
+                print(f"skip cuda_graph=fused at batch {B}: it takes up to {FUSED_MAX_BATCH} rows")
             ours = [False] + ([True] + ["compiled"] * args.compiled + ["autotuned"] * args.autotuned
-                              if graph else [])                                        # cuda_graph values
+                              + ["fused"] * fused if graph else [])                   # cuda_graph values
             runs = [("eager" if not g else f"cuda_graph={g}", g,
                      lambda g=g: time_ours(model, prompt, args.n, g, args.prefill_chunk)) for g in ours]
             if hf_model is not None:

@@ -272,7 +272,7 @@ def test_cuda_graph_option_errors_are_named(kwargs, match):
 
 def test_cuda_graph_mode_is_checked():
     model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
-    with pytest.raises(ValueError, match=r"cuda_graph takes one of \(False, True, 'compiled', 'autotuned'\), not 'fast'"):
+    with pytest.raises(ValueError, match=r"cuda_graph takes one of \(False, True, 'compiled', 'autotuned', 'fused'\), not 'fast'"):
         model.generate(torch.zeros(1, 3, dtype=torch.long), 4, cuda_graph="fast")
 
 

@@ -301,7 +301,9 @@ def test_window_triton_matches_reference(window, gated):
     o, grads, do = run(q, k, v, log_fgate, window=window, impl="triton")
     o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do, window=window)
     assert len(grads) == (4 if gated else 3)
-    check(o, grads, o_ref, grads_ref, 2e-5)
+    # at W = 1 each query sees its own key only, so d log f is exactly zero and rel_err's floor makes its check
+    # absolute: the fp32 rowsum - colsum leaves ~1e-6 per position, which the reverse cumsum accumulates
+    check(o, grads, o_ref, grads_ref, 1e-4 if window == 1 else 2e-5)
 
 
 @pytest.mark.skipif(not interpreting(), reason="on a GPU the autotuned tiles run (test_gpu_*)")

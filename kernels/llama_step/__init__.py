@@ -1,0 +1,80 @@
+"""One decode step of a LLaMA-block model (RMSNorm, RoPE softmax attention, SwiGLU, no biases) as a single
+persistent Triton launch, for batch-1 decoding near the memory-bandwidth bound (issue 50).
+
+    decode_step(x, position, weights, k_cache, v_cache, eps, impl="auto") -> logits (B, V) fp32
+
+x (B, d), B <= MAX_BATCH, holds the token embeddings and is overwritten (it carries the residual stream); position (1,) int64
+on the device is the cache row the token takes (the caller advances it); k_cache / v_cache (L, B, H, CAP, D)
+are written at that row; weights is a LlamaStepWeights (LlamaStepWeights.pack). impl: "triton" (CUDA, or the
+interpreter), "torch" (reference.py), "auto" (Triton on CUDA).
+
+Why one launch (docs/decoding.md): at batch 1 a 360M step reads ~1 GB in ~0.25 ms at full bandwidth, and a
+graph of even 150 small kernels loses more than that to launch gaps and per-kernel ramp-up. Here every program
+(one per SM) owns a slice of every matrix, phases are separated by grid-wide barriers, and each phase starts
+the HBM -> L2 prefetch of the next phase's slice, so the weights stream while the barriers wait.
+
+Modules: reference.py (the same step in PyTorch), triton.py (the kernel and its launcher).
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kernels.llama_step import reference
+from kernels.triton_utils import interpreting
+
+# Batch-1 latency is what the launch is for. Each program multiplies its weight chunks by all B rows of the
+# stream at once, and past 8 rows the tiles outgrow shared memory and registers: larger batches are
+# bandwidth-efficient enough through the compiled step (GPT.generate(cuda_graph="compiled")).
+MAX_BATCH = 8
+
+
+@dataclass
+class LlamaStepWeights:
+    """Every layer's weights stacked on a leading layer axis, in the dtype of the model:
+    wqkv (L, 3 H D, d): q, k, v heads, each head's rows in pair order (pack_qkv); wo (L, d, H D);
+    wgu (L, 2 F, d): gate rows then up rows; wd (L, d, F); norms (L, 2, d): the attention and MLP
+    RMSNorm scales; norm_f (d,); head (V, d); cos, sin (max_len, D / 2) fp32 RoPE tables (halves convention)."""
+    wqkv: torch.Tensor
+    wo: torch.Tensor
+    wgu: torch.Tensor
+    wd: torch.Tensor
+    norms: torch.Tensor
+    norm_f: torch.Tensor
+    head: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def pack(cls, qkv, out, gate, up, down, norm_attn, norm_mlp, norm_f, head, cos, sin, head_dim):
+        """Stack per-layer lists (qkv: (3 H D, d) weights in q|k|v, head, dim order; out, gate, up, down:
+        nn.Linear weights; the two norm scales) into the packed layout. The head is kept, not copied."""
+        return cls(wqkv=torch.stack([pack_qkv(w, head_dim) for w in qkv]), wo=torch.stack(out),
+                   wgu=torch.stack([torch.cat([g, u]) for g, u in zip(gate, up)]), wd=torch.stack(down),
+                   norms=torch.stack([torch.stack([a, m]) for a, m in zip(norm_attn, norm_mlp)]),
+                   norm_f=norm_f, head=head, cos=cos, sin=sin)
+
+
+def pack_qkv(w, head_dim):
+    """Reorder each head's rows j = i + half * D/2 to 2 i + half: the two rows RoPE rotates together become
+    neighbours, so a program that owns a contiguous run of rows owns whole pairs."""
+    n, d = w.shape
+    return w.reshape(n // head_dim, 2, head_dim // 2, d).transpose(1, 2).reshape(n, d)
+
+
+def decode_step(x, position, weights, k_cache, v_cache, eps, impl="auto"):
+    """See the module docstring."""
+    if impl == "auto":
+        impl = "triton" if x.is_cuda else "torch"
+    if impl == "torch":
+        return reference.decode_step(x, position, weights, k_cache, v_cache, eps)
+    if impl != "triton":
+        raise ValueError(f"impl={impl!r}: choose auto, triton or torch")
+    if x.size(0) > MAX_BATCH:
+        raise ValueError(f"the fused decode step takes batches of up to {MAX_BATCH} rows, not {x.size(0)}")
+    if not (x.is_cuda or interpreting()):
+        raise ValueError("the Triton decode step runs on CUDA (or on the CPU with TRITON_INTERPRET=1)")
+    from kernels.llama_step.triton import decode_step_triton
+    return decode_step_triton(x, position, weights, k_cache, v_cache, eps)
+
+
+__all__ = ["LlamaStepWeights", "pack_qkv", "decode_step", "MAX_BATCH"]

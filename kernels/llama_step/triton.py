@@ -1,0 +1,288 @@
+"""The Triton kernel of kernels/llama_step: a whole LLaMA-block decode step in one persistent launch.
+
+One program per SM (a cooperative launch, so all are resident), each owning a contiguous share of every
+phase's work. Five phases per layer, then the head:
+  0 qkv:   RMSNorm, this program's q/k/v rows, RoPE; q to a buffer, k and v into the cache row `position`
+  1 attn:  split-KV attention over (batch, head, split) items, about one per program; the program that
+           completes the last split of a (batch, head) merges its partials (an atomic counter per head)
+  2 out:   its rows of the output projection, added to the residual stream x
+  3 gate:  RMSNorm, its units of silu(x W_gate) * (x W_up)
+  4 down:  its rows of the down projection, added to x
+  head:    the final RMSNorm and its rows of the logits
+A grid-wide barrier separates the phases (each reads what all programs wrote in the one before). The loops
+over row chunks and key tiles are software-pipelined (`stages` chunks in flight through shared memory), so
+a program keeps loads in flight instead of waiting on each chunk. Every normalising product is computed in
+fp32 from the weights' dtype; the stream stays fp32 across layers.
+
+Memory order: a barrier is bar.sync, then one release atomic per program, a spin on an acquire load, and
+bar.sync; everything one program wrote before it is visible to all after it. Data written within the
+step is read with .cg loads (L2, not the SM's non-coherent L1), since buffers are rewritten every layer.
+
+Under TRITON_INTERPRET=1 programs run one after another, so no barrier could complete: the launcher then
+runs each phase as its own launch (SYNC off).
+"""
+import torch
+
+from kernels.triton_utils import LOG2E, interpreting, tl, triton
+
+STAGES = 5          # phases per layer
+ROWS = 8            # rows of a matrix per chunk at most (the GEMV's output features)
+TILE_BYTES = 16384  # bytes of weights per chunk at most
+BLOCK_T = 64        # keys per attention tile
+
+
+if triton is not None:
+    @triton.jit
+    def _grid_sync(bar, target):
+        """Wait until every program has arrived; bar counts arrivals, target = (barrier index + 1) * programs."""
+        tl.debug_barrier()
+        tl.atomic_add(bar, 1, sem="release", scope="gpu")
+        while tl.atomic_add(bar, 0, sem="acquire", scope="gpu") < target:
+            pass
+        tl.debug_barrier()
+
+    @triton.jit
+    def _share(n, P):
+        """This program's contiguous share [lo, hi) of n items (shares differ by at most one)."""
+        p = tl.program_id(0)
+        return p * n // P, (p + 1) * n // P
+
+    @triton.jit
+    def _dot(W, K, rows, rmask, A, a_stride, B, BP2: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr,
+             KP: tl.constexpr):
+        """acc (BP2, CH) fp32: acc[b, r] = sum_k W[rows[r], k] A[b, k], W row-major with rows of K <= KP. The
+        K loop is unrolled (no inner loop), so the caller's loop over row chunks can be software-pipelined."""
+        bs = tl.arange(0, BP2)
+        acc = tl.zeros([BP2, CH], dtype=tl.float32)
+        for k0 in tl.static_range(0, KP, KB):
+            ks = k0 + tl.arange(0, KB)
+            km = ks < K
+            w = tl.load(W + rows[:, None].to(tl.int64) * K + ks[None, :], mask=rmask[:, None] & km[None, :],
+                        other=0.0)
+            a = tl.load(A + bs[:, None] * a_stride + ks[None, :], mask=(bs[:, None] < B) & km[None, :],
+                        other=0.0, cache_modifier=".cg")
+            acc += tl.sum(w.to(tl.float32)[None, :, :] * a[:, None, :], axis=2)
+        return acc
+
+    @triton.jit
+    def _norm_rows(X, G, XNp, B, d, eps, BP2: tl.constexpr, DP: tl.constexpr):
+        """This program's scratch XNp[b, :d] = rms_norm(X[b]) * G, fp32 (rows of DP)."""
+        bs = tl.arange(0, BP2)
+        ks = tl.arange(0, DP)
+        m = (bs[:, None] < B) & (ks[None, :] < d)
+        x = tl.load(X + bs[:, None] * d + ks[None, :], mask=m, other=0.0, cache_modifier=".cg")
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)
+        g = tl.load(G + ks, mask=ks < d, other=0.0).to(tl.float32)
+        tl.store(XNp + bs[:, None] * DP + ks[None, :], x * rstd[:, None] * g[None, :], mask=m)
+        tl.debug_barrier()
+
+    @triton.jit
+    def _add_rows(X, acc, rows, rmask, B, d, BP2: tl.constexpr):
+        """X[b, rows] += acc (the residual stream; each row has one owner)."""
+        bs = tl.arange(0, BP2)
+        m = (bs[:, None] < B) & rmask[None, :]
+        off = bs[:, None] * d + rows[None, :]
+        tl.store(X + off, tl.load(X + off, mask=m, other=0.0, cache_modifier=".cg") + acc, mask=m)
+
+    @triton.jit
+    def _qkv_phase(X, XNp, W, G, Q, KC, VC, COS, SIN, layer, pos, B, d, H, CAP, eps, P,
+                   D: tl.constexpr, BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr,
+                   NS: tl.constexpr):
+        DH: tl.constexpr = D // 2
+        UC: tl.constexpr = CH // 2
+        _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
+        u0, u1 = _share(3 * H * DH, P)        # units: the row pair (i, i + D/2) of a head, rows 2u and 2u + 1
+        bs = tl.arange(0, BP2)
+        for c in tl.range(u0, u1, UC, num_stages=NS):
+            rows = 2 * c + tl.arange(0, CH)
+            acc = _dot(W, d, rows, rows < 2 * u1, XNp, DP, B, BP2, CH, KB, DP)
+            lo, hi = tl.split(tl.reshape(acc, [BP2, UC, 2]))
+            units = c + tl.arange(0, UC)
+            live = (units < u1)[None, :] & (bs[:, None] < B)
+            i = units % DH
+            kind = units // DH // H               # 0 q, 1 k, 2 v
+            head = units // DH % H
+            cos = tl.load(COS + pos * DH + i)[None, :]
+            sin = tl.load(SIN + pos * DH + i)[None, :]
+            rot = (kind < 2)[None, :]
+            lo, hi = tl.where(rot, lo * cos - hi * sin, lo), tl.where(rot, hi * cos + lo * sin, hi)
+            q = (bs[:, None] * H + head[None, :]) * D + i[None, :]
+            tl.store(Q + q, lo, mask=live & (kind == 0)[None, :])
+            tl.store(Q + q + DH, hi, mask=live & (kind == 0)[None, :])
+            row = ((layer * B + bs[:, None]) * H + head[None, :]).to(tl.int64) * CAP + pos
+            kv = row * D + i[None, :]
+            tl.store(KC + kv, lo.to(KC.dtype.element_ty), mask=live & (kind == 1)[None, :])
+            tl.store(KC + kv + DH, hi.to(KC.dtype.element_ty), mask=live & (kind == 1)[None, :])
+            tl.store(VC + kv, lo.to(VC.dtype.element_ty), mask=live & (kind == 2)[None, :])
+            tl.store(VC + kv + DH, hi.to(VC.dtype.element_ty), mask=live & (kind == 2)[None, :])
+
+    @triton.jit
+    def _split_range(it, H, S, SPLIT, pos):
+        """(b * H + h, first key, end) of attention item it = (b * H + h) * S + s."""
+        t0 = it % S * SPLIT
+        return it // S, t0, tl.minimum(t0 + SPLIT, pos + 1)
+
+    @triton.jit
+    def _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, SPLIT, qk_scale, P,
+                    D: tl.constexpr, SP2: tl.constexpr, BLOCK_T: tl.constexpr, NS: tl.constexpr):
+        """Split-KV attention: each item (b, h, split) leaves its partial (unnormalised output, base-2 max, sum);
+        the program that completes the last split of a (b, h) merges them all into ATT (b, h D + j)."""
+        dd = tl.arange(0, D)
+        i0, i1 = _share(B * H * S, P)
+        for it in range(i0, i1):
+            bh, t0, t1 = _split_range(it, H, S, SPLIT, pos)
+            q = tl.load(Q + bh * D + dd, cache_modifier=".cg") * qk_scale
+            base = (layer * B * H + bh).to(tl.int64) * CAP
+            m = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
+            den = tl.sum(tl.zeros([BLOCK_T], tl.float32), axis=0)
+            acc = tl.zeros([D], tl.float32)
+            for t in tl.range(t0, t1, BLOCK_T, num_stages=NS):
+                ts = t + tl.arange(0, BLOCK_T)
+                tm = ts < t1
+                off = (base + ts[:, None]) * D + dd[None, :]
+                k = tl.load(KC + off, mask=tm[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                v = tl.load(VC + off, mask=tm[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                sc = tl.where(tm, tl.sum(k * q[None, :], axis=1), float("-inf"))
+                m_new = tl.maximum(m, tl.max(sc, axis=0))
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(sc - m_new)
+                den = den * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+                m = m_new
+            tl.store(PO + it * D + dd, acc)
+            tl.store(PM + it, m)
+            tl.store(PL + it, den)
+            tl.debug_barrier()                   # every thread's partial stored before the release below
+            if tl.atomic_add(CNT + bh, 1, sem="acq_rel", scope="gpu") == S - 1:
+                ss = tl.arange(0, SP2)
+                sm = ss < S
+                pm = tl.load(PM + bh * S + ss, mask=sm, other=float("-inf"), cache_modifier=".cg")
+                w = tl.exp2(pm - tl.max(pm, axis=0))          # split 0 is never empty: the max is finite
+                den = tl.sum(w * tl.load(PL + bh * S + ss, mask=sm, other=0.0, cache_modifier=".cg"), axis=0)
+                po = tl.load(PO + (bh * S + ss)[:, None] * D + dd[None, :], mask=sm[:, None], other=0.0,
+                             cache_modifier=".cg")
+                tl.store(ATT + bh * D + dd, tl.sum(w[:, None] * po, axis=0) / den)
+                tl.store(CNT + bh, 0)            # for the next layer, which starts after two grid barriers
+
+    @triton.jit
+    def _residual_phase(X, A, a_stride, W, K, B, d, P, BP2: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr,
+                        KP: tl.constexpr, NS: tl.constexpr):
+        """X[b, r] += sum_k W[r, k] A[b, k] for this program's rows r of the stream."""
+        r0, r1 = _share(d, P)
+        for c in tl.range(r0, r1, CH, num_stages=NS):
+            rows = c + tl.arange(0, CH)
+            rm = rows < r1
+            _add_rows(X, _dot(W, K, rows, rm, A, a_stride, B, BP2, CH, KB, KP), rows, rm, B, d, BP2)
+
+    @triton.jit
+    def _gate_phase(X, XNp, W, G, HID, B, d, F, eps, P,
+                    BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr):
+        _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
+        bs = tl.arange(0, BP2)
+        f0, f1 = _share(F, P)
+        for c in tl.range(f0, f1, CH, num_stages=NS):
+            rows = c + tl.arange(0, CH)
+            rm = rows < f1
+            gate = _dot(W, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
+            up = _dot(W + F * d, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
+            tl.store(HID + bs[:, None] * F + rows[None, :], gate * tl.sigmoid(gate) * up,
+                     mask=(bs[:, None] < B) & rm[None, :])
+
+    @triton.jit
+    def _head_phase(X, XNp, WH, G, LOGITS, B, d, V, eps, P, BP2: tl.constexpr, DP: tl.constexpr,
+                    CH: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr):
+        _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
+        bs = tl.arange(0, BP2)
+        v0, v1 = _share(V, P)
+        for c in tl.range(v0, v1, CH, num_stages=NS):
+            rows = c + tl.arange(0, CH)
+            rm = rows < v1
+            tl.store(LOGITS + bs[:, None] * V + rows[None, :], _dot(WH, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP),
+                     mask=(bs[:, None] < B) & rm[None, :])
+
+    @triton.jit
+    def _llama_step_kernel(X, XN, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
+                           WQKV, WO, WGU, WD, NORMS, NORM_F, WH, COS, SIN, KC, VC,
+                           B, d, H, F, V, CAP, S, SPLIT, L, eps, qk_scale, ph0, ph1,
+                           D: tl.constexpr, SP2: tl.constexpr, BP2: tl.constexpr, DP: tl.constexpr,
+                           FP: tl.constexpr, HDP: tl.constexpr, CH_D: tl.constexpr, CH_F: tl.constexpr,
+                           CH_HD: tl.constexpr, KB: tl.constexpr, BLOCK_T: tl.constexpr, NS: tl.constexpr,
+                           SYNC: tl.constexpr):
+        P = tl.num_programs(0)
+        pos = tl.load(POS).to(tl.int32)
+        XNp = XN + tl.program_id(0) * BP2 * DP      # this program's scratch: the normed stream
+        HD = H * D
+        for ph in range(ph0, ph1):
+            if SYNC:
+                if ph > ph0:
+                    _grid_sync(BAR, (ph - ph0) * P)
+            layer = ph // 5                          # STAGES phases per layer
+            stage = ph % 5
+            if layer == L:
+                _head_phase(X, XNp, WH, NORM_F, LOGITS, B, d, V, eps, P, BP2, DP, CH_D, KB, NS)
+            elif stage == 0:
+                _qkv_phase(X, XNp, WQKV + layer.to(tl.int64) * 3 * HD * d, NORMS + layer * 2 * d, Q, KC, VC,
+                           COS, SIN, layer, pos, B, d, H, CAP, eps, P, D, BP2, DP, CH_D, KB, NS)
+            elif stage == 1:
+                _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, SPLIT, qk_scale, P,
+                            D, SP2, BLOCK_T, NS)
+            elif stage == 2:
+                _residual_phase(X, ATT, HD, WO + layer.to(tl.int64) * d * HD, HD, B, d, P, BP2, CH_HD, KB, HDP, NS)
+            elif stage == 3:
+                _gate_phase(X, XNp, WGU + layer.to(tl.int64) * 2 * F * d, NORMS + (layer * 2 + 1) * d, HID,
+                            B, d, F, eps, P, BP2, DP, CH_D, KB, NS)
+            else:
+                _residual_phase(X, HID, F, WD + layer.to(tl.int64) * d * F, F, B, d, P, BP2, CH_F, KB, FP, NS)
+
+
+def _next_pow2(n):
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+def _chunk_rows(K, element_size):
+    """Rows per pipelined chunk of a matrix with rows of K: about TILE_BYTES a chunk (the pipeline keeps
+    `stages` of them in shared memory), at least 2 (a RoPE pair)."""
+    rows = max(2, min(ROWS, TILE_BYTES // (_next_pow2(K) * element_size)))
+    return 1 << (rows.bit_length() - 1)          # a power of two
+
+
+def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num_warps=4, stages=3,
+                       single_launch=None):
+    """kernels.llama_step.decode_step on CUDA (or the interpreter). programs: the grid (default: one per SM;
+    3 under the interpreter); stages: software-pipelining depth of the loops over row chunks and key tiles;
+    single_launch (default: on CUDA) runs every phase in one launch with grid barriers, else one launch per
+    phase (what the interpreter needs, and a baseline for the barriers)."""
+    L, B, H, CAP, D = k_cache.shape
+    d, F, V = x.size(1), w.wd.size(2), w.head.size(0)
+    if D != _next_pow2(D) or D < 16:
+        raise ValueError(f"the fused decode step takes head dims that are powers of two >= 16, not {D}")
+    on_gpu = x.is_cuda and not interpreting()
+    P = programs or (torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 3)
+    single_launch = on_gpu if single_launch is None else single_launch
+    BP2, DP, es = _next_pow2(B), _next_pow2(d), w.wqkv.element_size()
+    KB = max(16, min(_next_pow2(max(d, F, H * D)), 8192 // (BP2 * ROWS)))
+    # splits per (batch, head): about one item per program (an item more on some programs would double the
+    # phase), at least a tile each
+    S = max(1, min(P // (B * H), triton.cdiv(CAP, BLOCK_T)))
+    SPLIT = triton.cdiv(triton.cdiv(CAP, S), BLOCK_T) * BLOCK_T
+    S = triton.cdiv(CAP, SPLIT)
+    f32 = dict(device=x.device, dtype=torch.float32)
+    X = x.float().contiguous()
+    xn = torch.empty(P, BP2, DP, **f32)
+    q, att = torch.empty(B, H, D, **f32), torch.empty(B, H, D, **f32)
+    po, pm, pl = torch.empty(B * H * S, D, **f32), torch.empty(B * H * S, **f32), torch.empty(B * H * S, **f32)
+    hid = torch.empty(B, F, **f32)
+    logits = torch.empty(B, V, **f32)
+    counters = torch.zeros(B * H + 1, device=x.device, dtype=torch.int32)   # per (b, h), then the barrier's
+    phases = STAGES * L + 1
+    spans = [(0, phases)] if single_launch else [(p, p + 1) for p in range(phases)]
+    extra = dict(launch_cooperative_grid=True) if single_launch else {}
+    for ph0, ph1 in spans:
+        _llama_step_kernel[(P,)](
+            X, xn, q, po, pm, pl, counters, att, hid, logits, counters[B * H:], position,
+            w.wqkv, w.wo, w.wgu, w.wd, w.norms, w.norm_f, w.head, w.cos, w.sin, k_cache, v_cache,
+            B, d, H, F, V, CAP, S, SPLIT, L, eps, D ** -0.5 * LOG2E, ph0, ph1,
+            D=D, SP2=_next_pow2(S), BP2=BP2, DP=DP, FP=_next_pow2(F), HDP=_next_pow2(H * D),
+            CH_D=_chunk_rows(d, es), CH_F=_chunk_rows(F, es), CH_HD=_chunk_rows(H * D, es), KB=KB,
+            BLOCK_T=BLOCK_T, NS=stages, SYNC=single_launch, num_warps=num_warps, **extra)
+    return logits

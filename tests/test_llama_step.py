@@ -1,0 +1,183 @@
+"""The single-launch LLaMA decode step (kernels/llama_step) against its PyTorch reference, and its model binding
+(model/sampling.py FusedDecodeStep, GPT.generate(cuda_graph="fused")) against the model's own static step.
+
+On CPU the kernel runs under the Triton interpreter one phase per launch (tests/conftest.py sets it where there
+is no GPU); the GPU tests run the real single launch with its grid barriers and L2 prefetches."""
+import pytest
+import torch
+
+from kernels.llama_step import LlamaStepWeights, decode_step, pack_qkv
+from kernels.llama_step.reference import unpair_rows
+from kernels.llama_step.triton import decode_step_triton
+from kernels.triton_utils import interpreting
+from model.gpt import GPT, rope_tables
+from model.sampling import FusedDecodeStep, fused_step_unsupported
+from tests.test_model import LLAMA, PRO, tiny
+
+needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
+                                  reason="the Triton kernel needs CUDA or TRITON_INTERPRET=1")
+FUSED_LLAMA = dict(attention="baseline", **LLAMA, n_head=2, n_embd=32)     # head_dim 16
+
+
+def random_step(L, B, H, D, d, F, V, CAP, dtype, device="cpu", seed=0):
+    """Random packed weights (norm scales around 1), caches whose rows hold garbage (NaN past row 0 of
+    batch 0's first layer, which the position must mask), and token embeddings."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, scale=0.3, center=0.0):
+        return (center + scale * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
+
+    cos, sin = rope_tables(D, CAP, 10000.0, device)
+    w = LlamaStepWeights.pack([r(3 * H * D, d) for _ in range(L)], [r(d, H * D) for _ in range(L)],
+                              [r(F, d) for _ in range(L)], [r(F, d) for _ in range(L)], [r(d, F) for _ in range(L)],
+                              [r(d, center=1) for _ in range(L)], [r(d, center=1) for _ in range(L)],
+                              r(d, center=1), r(V, d), cos, sin, D)
+    k, v = r(L, B, H, CAP, D, scale=1), r(L, B, H, CAP, D, scale=1)
+    return w, k, v, r(B, d, scale=1)
+
+
+def with_nan_past(cache, pos):
+    """The cache with every row past `pos` NaN: rows no position has written must not be read."""
+    cache = cache.clone()
+    cache[:, :, :, pos + 1:] = float("nan")
+    return cache
+
+
+def test_pack_qkv_pairs_the_rows_rope_rotates_together():
+    D = 8
+    w = torch.arange(2 * D, dtype=torch.float64)[:, None].expand(2 * D, 3)
+    packed = pack_qkv(w, D)
+    assert packed[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15]
+    assert torch.equal(unpair_rows(packed.T, D).T, w)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype, tol, programs", [(torch.float32, 2e-5, 1), (torch.float32, 2e-5, 7),
+                                                 (torch.bfloat16, 2e-2, 3)])
+def test_kernel_equals_reference(dtype, tol, programs):
+    """Odd sizes (d 40, F 50, V 70, 3 heads, batch 3, capacity 37), the first, a middle and the last position,
+    1-7 programs (shares of zero and one rows included): logits and the written cache rows match the
+    reference; every row past the position is NaN and never read."""
+    L, B, H, D, d, F, V, CAP = 2, 3, 3, 16, 40, 50, 70, 37
+    device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+    w, k, v, x = random_step(L, B, H, D, d, F, V, CAP, dtype, device)
+    for pos in (0, 20, CAP - 1):
+        position = torch.tensor([pos], device=device)
+        k_ref, v_ref, k_out, v_out = with_nan_past(k, pos), with_nan_past(v, pos), with_nan_past(k, pos), with_nan_past(v, pos)
+        ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-5, impl="torch")
+        out = decode_step_triton(x.clone(), position, w, k_out, v_out, 1e-5, programs=programs)
+        assert out.dtype == torch.float32 and out.shape == (B, V)
+        torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+        for got, want in ((k_out, k_ref), (v_out, v_ref)):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_reference_equals_the_unpacked_step_in_fp64():
+    """The reference itself, on fp64 weights: packing (the pair order) changes no result; one position of
+    one layer checked against attention written out from the unpacked matrices."""
+    L, B, H, D, d, F, V, CAP = 1, 2, 2, 16, 24, 30, 11, 9
+    w, k, v, x = random_step(L, B, H, D, d, F, V, CAP, torch.float64)
+    pos = 5
+    position = torch.tensor([pos])
+    k_in, v_in = k.clone(), v.clone()
+    logits = decode_step(x.clone(), position, w, k_in, v_in, 1e-6, impl="torch")
+
+    def rms(t, g):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+
+    wqkv = unpair_rows(w.wqkv[0].T, D).T                          # back to q|k|v, head, dim order
+    q, kn, vn = (rms(x, w.norms[0, 0]) @ wqkv.T).view(B, 3, H, D).unbind(1)
+    cos, sin = w.cos[pos], w.sin[pos]
+    rot = lambda t: torch.cat([t[..., :8] * cos - t[..., 8:] * sin, t[..., :8] * sin + t[..., 8:] * cos], -1)
+    keys = torch.cat([k[0, :, :, :pos], rot(kn)[:, :, None]], dim=2)
+    values = torch.cat([v[0, :, :, :pos], vn[:, :, None]], dim=2)
+    p = torch.softmax((rot(q)[:, :, None] * keys).sum(-1) / D ** 0.5, dim=-1)
+    h = x + (p[..., None] * values).sum(2).reshape(B, H * D) @ w.wo[0].T
+    gate, up = rms(h, w.norms[0, 1]) @ w.wgu[0, :F].T, rms(h, w.norms[0, 1]) @ w.wgu[0, F:].T
+    h = h + (torch.nn.functional.silu(gate) * up) @ w.wd[0].T
+    torch.testing.assert_close(logits, rms(h, w.norm_f) @ w.head.T, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(k_in[0, :, :, pos], rot(kn), rtol=1e-12, atol=1e-12)
+
+
+def llama_model(dtype=torch.float32, device="cpu", **kw):
+    torch.manual_seed(0)
+    return GPT(tiny(**{**FUSED_LLAMA, **kw})).to(device=device, dtype=dtype).eval()
+
+
+@needs_triton
+@torch.no_grad()
+def test_fused_step_equals_the_models_static_step():
+    """FusedDecodeStep (the kernel) against GPT.forward on a static cache, step after step from a prompt of 5:
+    the same logits and the same cache rows, position advanced; untied head, 3 layers, batch 2."""
+    device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+    model = llama_model(device=device, n_layer=3, tie_embeddings=False)
+    prompt, tokens = torch.randint(0, 97, (2, 5), device=device), torch.randint(0, 97, (2, 4), device=device)
+    caches = [model.new_cache(2, 12) for _ in range(2)]
+    for cache in caches:
+        model(prompt, cache=cache)
+        cache.to_static()
+    fused = FusedDecodeStep(model, caches[0], impl="triton")
+    for t in range(tokens.size(1)):
+        got = fused(tokens[:, t:t + 1])
+        want = model(tokens[:, t:t + 1], cache=caches[1])[0]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert caches[0].position.item() == caches[1].position.item() == 9
+    for mine, theirs in zip(caches[0].layers, caches[1].layers):
+        torch.testing.assert_close(mine.k[:, :, :9], theirs.k[:, :, :9], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.v[:, :, :9], theirs.v[:, :, :9], rtol=1e-5, atol=1e-5)
+    assert all(layer.k.data_ptr() == fused.k[i].data_ptr() for i, layer in enumerate(caches[0].layers))
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(attention="fox", **LLAMA), "model.attention='fox'"),
+    (dict(attention="baseline", **LLAMA, **PRO), "model.qk_norm=True"),
+    (dict(attention="baseline", norm="layernorm", mlp="gelu", pos="learned", bias=True), "model.norm='layernorm'"),
+    (dict(attention="baseline", **LLAMA, attention_window=4), "model.attention_window=4"),
+    (dict(attention="baseline", **LLAMA, n_head=4), "model.head_dim=8"),
+])
+def test_fused_mode_refuses_other_blocks_by_name(kw, reason):
+    assert reason in fused_step_unsupported(tiny(**{**dict(n_head=2), **kw}))
+    model = GPT(tiny(**{**dict(n_head=2), **kw})).eval()
+    with pytest.raises(ValueError, match="cuda_graph='fused' decodes LLaMA blocks only, not " + reason):
+        model.generate(torch.zeros(1, 3, dtype=torch.long), 2, cuda_graph="fused")
+    assert fused_step_unsupported(tiny(**FUSED_LLAMA)) is None
+
+
+def test_fused_mode_refuses_large_batches_by_name():
+    model = llama_model()
+    with pytest.raises(ValueError, match=r"cuda_graph='fused' decodes batches of up to 8 rows .* not 9: use "
+                                         r"cuda_graph='compiled'"):
+        model.generate(torch.zeros(9, 3, dtype=torch.long), 2, cuda_graph="fused")
+
+
+# ----------------------------------------------------------------------------- on a GPU
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_single_launch_at_a_360M_shape(dtype, tol):
+    """The real launch (one program per SM, grid barriers, L2 prefetches) at the Transformer (LLaMA) 360M shapes
+    with 4 of its 24 layers, a 4100-row cache, batch 1 and 3, against the reference."""
+    for B in (1, 3):
+        w, k, v, x = random_step(4, B, 16, 64, 1024, 2816, 50304, 4100, dtype, "cuda", seed=B)
+        for pos in (0, 4099):
+            position = torch.tensor([pos], device="cuda")
+            k_ref, v_ref = with_nan_past(k, pos), with_nan_past(v, pos)
+            k_out, v_out = k_ref.clone(), v_ref.clone()
+            ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-6, impl="torch")
+            out = decode_step(x.clone(), position, w, k_out, v_out, 1e-6, impl="triton")
+            torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+            scale = k_ref[k_ref.isfinite()].abs().max().item()     # keys grow with depth: deep layers' are ~10
+            torch.testing.assert_close(k_out, k_ref, rtol=tol, atol=tol * scale, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_fused_graph_generation_equals_the_eager_graph():
+    """GPT.generate(cuda_graph="fused"): the single launch captured in a CUDA graph and replayed gives the same
+    greedy tokens as cuda_graph=True (fp32, 48 tokens after a prompt of 7, batch 2)."""
+    model = llama_model(device="cuda", n_layer=3, n_embd=64, n_head=4, block_size=64)
+    prompt = torch.randint(0, 97, (2, 7), device="cuda")
+    assert torch.equal(model.generate(prompt, 48, temperature=0, cuda_graph="fused"),
+                       model.generate(prompt, 48, temperature=0, cuda_graph=True))
