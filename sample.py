@@ -13,7 +13,8 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
 cuda_graph=true (one GPU; every attention): after the prompt, every token is one replay of a
 CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
 torch.compiles the step first (fewer, fused kernels; compiling takes a minute); cuda_graph=autotuned also
-tunes its matmuls and kernels (minutes more, ~18% faster per token at batch 1).
+tunes its matmuls and kernels (minutes more, ~18% faster per token at batch 1); cuda_graph=fused (LLaMA
+blocks only) runs the whole step as one kernel launch (kernels/llama_step), the fastest at batch 1.
 """
 import os
 import sys

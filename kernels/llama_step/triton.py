@@ -175,30 +175,20 @@ if triton is not None:
             _add_rows(X, _dot(W, K, rows, rm, A, a_stride, B, BP2, CH, KB, KP), rows, rm, B, d, BP2)
 
     @triton.jit
-    def _gate_phase(X, XNp, W, G, HID, B, d, F, eps, P,
-                    BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr):
+    def _normed_phase(X, XNp, W, G, OUT, B, d, N, eps, P, BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr,
+                      KB: tl.constexpr, NS: tl.constexpr, GATED: tl.constexpr):
+        """OUT (B, N) = rms_norm(X) * G times this program's rows of W (N, d); GATED: W is (2 N, d), gate rows
+        then up rows, and OUT = silu(gate) * up (the MLP's hidden units). The head is the plain case."""
         _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
         bs = tl.arange(0, BP2)
-        f0, f1 = _share(F, P)
-        for c in tl.range(f0, f1, CH, num_stages=NS):
+        n0, n1 = _share(N, P)
+        for c in tl.range(n0, n1, CH, num_stages=NS):
             rows = c + tl.arange(0, CH)
-            rm = rows < f1
-            gate = _dot(W, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
-            up = _dot(W + F * d, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
-            tl.store(HID + bs[:, None] * F + rows[None, :], gate * tl.sigmoid(gate) * up,
-                     mask=(bs[:, None] < B) & rm[None, :])
-
-    @triton.jit
-    def _head_phase(X, XNp, WH, G, LOGITS, B, d, V, eps, P, BP2: tl.constexpr, DP: tl.constexpr,
-                    CH: tl.constexpr, KB: tl.constexpr, NS: tl.constexpr):
-        _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
-        bs = tl.arange(0, BP2)
-        v0, v1 = _share(V, P)
-        for c in tl.range(v0, v1, CH, num_stages=NS):
-            rows = c + tl.arange(0, CH)
-            rm = rows < v1
-            tl.store(LOGITS + bs[:, None] * V + rows[None, :], _dot(WH, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP),
-                     mask=(bs[:, None] < B) & rm[None, :])
+            rm = rows < n1
+            out = _dot(W, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
+            if GATED:
+                out = out * tl.sigmoid(out) * _dot(W + N * d, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
+            tl.store(OUT + bs[:, None] * N + rows[None, :], out, mask=(bs[:, None] < B) & rm[None, :])
 
     @triton.jit
     def _llama_step_kernel(X, XN, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
@@ -219,7 +209,7 @@ if triton is not None:
             layer = ph // 5                          # STAGES phases per layer
             stage = ph % 5
             if layer == L:
-                _head_phase(X, XNp, WH, NORM_F, LOGITS, B, d, V, eps, P, BP2, DP, CH_D, KB, NS)
+                _normed_phase(X, XNp, WH, NORM_F, LOGITS, B, d, V, eps, P, BP2, DP, CH_D, KB, NS, False)
             elif stage == 0:
                 _qkv_phase(X, XNp, WQKV + layer.to(tl.int64) * 3 * HD * d, NORMS + layer * 2 * d, Q, KC, VC,
                            COS, SIN, layer, pos, B, d, H, CAP, eps, P, D, BP2, DP, CH_D, KB, NS)
@@ -229,8 +219,8 @@ if triton is not None:
             elif stage == 2:
                 _residual_phase(X, ATT, HD, WO + layer.to(tl.int64) * d * HD, HD, B, d, P, BP2, CH_HD, KB, HDP, NS)
             elif stage == 3:
-                _gate_phase(X, XNp, WGU + layer.to(tl.int64) * 2 * F * d, NORMS + (layer * 2 + 1) * d, HID,
-                            B, d, F, eps, P, BP2, DP, CH_D, KB, NS)
+                _normed_phase(X, XNp, WGU + layer.to(tl.int64) * 2 * F * d, NORMS + (layer * 2 + 1) * d, HID,
+                              B, d, F, eps, P, BP2, DP, CH_D, KB, NS, True)
             else:
                 _residual_phase(X, HID, F, WD + layer.to(tl.int64) * d * F, F, B, d, P, BP2, CH_F, KB, FP, NS)
 
