@@ -3,6 +3,10 @@
 
 On CPU the kernel runs under the Triton interpreter one phase per launch (tests/conftest.py sets it where there
 is no GPU); the GPU tests run the real single launch with its grid barriers and L2 prefetches."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -145,9 +149,50 @@ def test_fused_mode_refuses_other_blocks_by_name(kw, reason):
 
 def test_fused_mode_refuses_large_batches_by_name():
     model = llama_model()
-    with pytest.raises(ValueError, match=r"cuda_graph='fused' decodes batches of up to 8 rows .* not 9: use "
+    with pytest.raises(ValueError, match=r"cuda_graph='fused' decodes batches of up to 4 rows .* not 5: use "
                                          r"cuda_graph='compiled'"):
-        model.generate(torch.zeros(9, 3, dtype=torch.long), 2, cuda_graph="fused")
+        model.generate(torch.zeros(5, 3, dtype=torch.long), 2, cuda_graph="fused")
+
+
+# Compiles the kernel for Hopper (sm_90, no GPU needed: Triton's own ptxas) at the constants decode_step_triton
+# launches, and prints each shape's shared memory; a separate process, since the interpreter replaces the kernel.
+HOPPER_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.llama_step.triton import _llama_step_kernel, launch_constants
+names = _llama_step_kernel.arg_names
+weights = "WQKV WO WGU WD NORMS NORM_F WH KC VC".split()
+for dtype, size, B, d, F, H, D in [tuple(x if i == 0 else int(x) for i, x in enumerate(c.split(":")))
+                                   for c in sys.argv[1:]]:
+    types = {n: "*fp32" for n in "X XN Q PO PM PL ATT HID LOGITS COS SIN".split()}
+    types.update(BAR="*i32", CNT="*i32", POS="*i64", eps="fp32", qk_scale="fp32", **{n: "*" + dtype for n in weights})
+    types.update({n: "i32" for n in "B d H F V CAP S SPLIT L ph0 ph1".split()})
+    _, _, constants = launch_constants(B, d, F, H, D, 32768, size, 132)
+    constants["SYNC"] = True
+    types.update({n: "constexpr" for n in constants})
+    src = ASTSource(_llama_step_kernel, {n: types[n] for n in names},
+                    constexprs={(names.index(n),): v for n, v in constants.items()})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=4, launch_cooperative_grid=True))
+    print(dtype, B, d, D, kernel.metadata.shared)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's ptxas ships for Linux")
+def test_every_supported_shape_fits_hoppers_shared_memory():
+    """The pipelined tiles live in shared memory (227 KiB per program on Hopper): the launch constants must fit, or
+    the kernel fails to launch on the GPU. The largest tiles: fp32 weights, head dim 128, d 2048, batch 1 (three
+    pipeline stages) and the largest batch (two); bf16 tiles are half their size."""
+    configs = ["fp32:4:1:2048:5632:16:128", "fp32:4:4:2048:5632:16:128"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, *configs], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shared = [int(line.split()[-1]) for line in out.stdout.splitlines()]
+    assert len(shared) == len(configs) and max(shared) <= 232448, out.stdout
 
 
 # ----------------------------------------------------------------------------- on a GPU

@@ -23,9 +23,9 @@ from kernels.llama_step import reference
 from kernels.triton_utils import interpreting
 
 # Batch-1 latency is what the launch is for. Each program multiplies its weight chunks by all B rows of the
-# stream at once, and past 8 rows the tiles outgrow shared memory and registers: larger batches are
-# bandwidth-efficient enough through the compiled step (GPT.generate(cuda_graph="compiled")).
-MAX_BATCH = 8
+# stream at once, and past 4 rows the pipelined tiles outgrow shared memory: larger batches go through the
+# compiled step (GPT.generate(cuda_graph="compiled")), which is faster there anyway.
+MAX_BATCH = 4
 
 
 @dataclass
