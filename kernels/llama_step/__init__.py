@@ -1,17 +1,17 @@
 """One decode step of a LLaMA-block model (RMSNorm, RoPE softmax attention, SwiGLU, no biases) as a single
-persistent Triton launch, for batch-1 decoding near the memory-bandwidth bound (issue 50).
+persistent Triton launch, for batch-1 decoding.
 
     decode_step(x, position, weights, k_cache, v_cache, eps, impl="auto") -> logits (B, V) fp32
 
-x (B, d), B <= MAX_BATCH, holds the token embeddings and is overwritten (it carries the residual stream); position (1,) int64
-on the device is the cache row the token takes (the caller advances it); k_cache / v_cache (L, B, H, CAP, D)
-are written at that row; weights is a LlamaStepWeights (LlamaStepWeights.pack). impl: "triton" (CUDA, or the
-interpreter), "torch" (reference.py), "auto" (Triton on CUDA).
+x (B, d), B <= MAX_BATCH: the token embeddings (an fp32 x becomes the buffer of the residual stream and is
+overwritten); position (1,) int64 on the device: the cache row the token takes (the caller advances it);
+k_cache / v_cache (L, B, H, CAP, D) are written at that row; weights: a LlamaStepWeights
+(LlamaStepWeights.pack). impl: "triton" (CUDA, or the interpreter), "torch" (reference.py), "auto" (Triton on
+CUDA).
 
-Why one launch (docs/decoding.md): at batch 1 a 360M step reads ~1 GB in ~0.25 ms at full bandwidth, and a
-graph of even 150 small kernels loses more than that to launch gaps and per-kernel ramp-up. Here every program
-(one per SM) owns a slice of every matrix, phases are separated by grid-wide barriers, and each phase starts
-the HBM -> L2 prefetch of the next phase's slice, so the weights stream while the barriers wait.
+Why one launch (docs/decoding.md): at batch 1 a 360M step reads ~1 GB, ~0.25 ms at full bandwidth, and a graph
+of even 150 small kernels loses more than that to launch gaps and each kernel's ramp-up. Here one program per
+SM owns a share of every phase's work and grid-wide barriers separate the phases (triton.py).
 
 Modules: reference.py (the same step in PyTorch), triton.py (the kernel and its launcher).
 """

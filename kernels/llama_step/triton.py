@@ -117,7 +117,7 @@ if triton is not None:
             tl.store(VC + kv + DH, hi.to(VC.dtype.element_ty), mask=live & (kind == 2)[None, :])
 
     @triton.jit
-    def _split_range(it, H, S, SPLIT, pos):
+    def _split_range(it, S, SPLIT, pos):
         """(b * H + h, first key, end) of attention item it = (b * H + h) * S + s."""
         t0 = it % S * SPLIT
         return it // S, t0, tl.minimum(t0 + SPLIT, pos + 1)
@@ -130,7 +130,7 @@ if triton is not None:
         dd = tl.arange(0, D)
         i0, i1 = _share(B * H * S, P)
         for it in range(i0, i1):
-            bh, t0, t1 = _split_range(it, H, S, SPLIT, pos)
+            bh, t0, t1 = _split_range(it, S, SPLIT, pos)
             q = tl.load(Q + bh * D + dd, cache_modifier=".cg") * qk_scale
             base = (layer * B * H + bh).to(tl.int64) * CAP
             m = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
@@ -284,6 +284,6 @@ def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num
         _llama_step_kernel[(P,)](
             X, xn, q, po, pm, pl, counters, att, hid, logits, counters[B * H:], position,
             w.wqkv, w.wo, w.wgu, w.wd, w.norms, w.norm_f, w.head, w.cos, w.sin, k_cache, v_cache,
-            B, d, H, F, V, CAP, S, split, L, eps, D ** -0.5 * LOG2E, ph0, ph1,
+            B, d, H, F, V, CAP, S, split, L, eps, D ** -0.5 * LOG2E.value, ph0, ph1,
             SYNC=single_launch, num_warps=num_warps, **constants, **extra)
     return logits
