@@ -67,7 +67,8 @@ def test_kernel_equals_reference(dtype, tol, programs):
     w, k, v, x = random_step(L, B, H, D, d, F, V, CAP, dtype, device)
     for pos in (0, 20, CAP - 1):
         position = torch.tensor([pos], device=device)
-        k_ref, v_ref, k_out, v_out = with_nan_past(k, pos), with_nan_past(v, pos), with_nan_past(k, pos), with_nan_past(v, pos)
+        k_ref, v_ref = with_nan_past(k, pos), with_nan_past(v, pos)
+        k_out, v_out = k_ref.clone(), v_ref.clone()
         ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-5, impl="torch")
         out = decode_step_triton(x.clone(), position, w, k_out, v_out, 1e-5, programs=programs)
         assert out.dtype == torch.float32 and out.shape == (B, V)

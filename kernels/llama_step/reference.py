@@ -2,8 +2,8 @@
 kernel is tested against. fp32 math (fp64 for fp64 weights); the cache keeps its dtype, so a key is rounded
 to it before any query reads it, as in the kernel."""
 import torch
-import torch.nn.functional as F
 
+from kernels.fused.reference import rms_norm, swiglu
 from kernels.triton_utils import at_least_fp32
 
 
@@ -11,10 +11,6 @@ def unpair_rows(y, head_dim):
     """(..., n * head_dim) in the packed pair order (kernels/llama_step pack_qkv) -> head_dim order."""
     *lead, n = y.shape
     return y.reshape(*lead, n // head_dim, head_dim // 2, 2).transpose(-1, -2).reshape(*lead, n)
-
-
-def rms(x, weight, eps):
-    return F.rms_norm(x, (x.size(-1),), weight.to(x.dtype), eps)
 
 
 def decode_step(x, position, w, k_cache, v_cache, eps):
@@ -27,7 +23,7 @@ def decode_step(x, position, w, k_cache, v_cache, eps):
     cos, sin = w.cos[pos].to(ct), w.sin[pos].to(ct)
     x = x.to(ct)
     for layer in range(L):
-        h = rms(x, w.norms[layer, 0], eps)
+        h = rms_norm(x, w.norms[layer, 0].to(ct), eps)
         q, k, v = unpair_rows(h @ w.wqkv[layer].to(ct).T, D).view(B, 3, H, D).unbind(1)
         q, k = (torch.cat([t[..., :D // 2] * cos - t[..., D // 2:] * sin,
                            t[..., :D // 2] * sin + t[..., D // 2:] * cos], dim=-1) for t in (q, k))
@@ -37,6 +33,5 @@ def decode_step(x, position, w, k_cache, v_cache, eps):
         p = torch.softmax(torch.einsum("bhd,bhtd->bht", q, keys) * D ** -0.5, dim=-1)
         attn = torch.einsum("bht,bhtd->bhd", p, values).reshape(B, H * D)
         x = x + attn @ w.wo[layer].to(ct).T
-        gate, up = (rms(x, w.norms[layer, 1], eps) @ w.wgu[layer].to(ct).T).chunk(2, dim=-1)
-        x = x + (F.silu(gate) * up) @ w.wd[layer].to(ct).T
-    return rms(x, w.norm_f, eps) @ w.head.to(ct).T
+        x = x + swiglu(rms_norm(x, w.norms[layer, 1].to(ct), eps) @ w.wgu[layer].to(ct).T) @ w.wd[layer].to(ct).T
+    return rms_norm(x, w.norm_f.to(ct), eps) @ w.head.to(ct).T

@@ -225,14 +225,10 @@ if triton is not None:
                 _residual_phase(X, HID, F, WD + layer.to(tl.int64) * d * F, F, B, d, P, BP2, CH_F, KB, FP, NS)
 
 
-def _next_pow2(n):
-    return 1 << (max(1, n) - 1).bit_length()
-
-
 def _chunk_rows(K, element_size):
     """Rows per pipelined chunk of a matrix with rows of K: about TILE_BYTES a chunk (the pipeline keeps
     `stages` of them in shared memory), at least 2 (a RoPE pair)."""
-    rows = max(2, min(ROWS, TILE_BYTES // (_next_pow2(K) * element_size)))
+    rows = max(2, min(ROWS, TILE_BYTES // (triton.next_power_of_2(K) * element_size)))
     return 1 << (rows.bit_length() - 1)          # a power of two
 
 
@@ -240,7 +236,7 @@ def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3):
     """The kernel's compile-time constants and its split of the cache (S splits of SPLIT rows per (batch,
     head)) for these sizes: what decode_step_triton launches, and what the tests compile for Hopper to check
     that every supported shape fits its shared memory."""
-    BP2 = _next_pow2(B)
+    BP2 = triton.next_power_of_2(B)
     # keys per attention tile: BLOCK_T, fewer where a tile's keys and values would pass 2 x TILE_BYTES
     block_t = max(16, min(BLOCK_T, 2 * TILE_BYTES // (2 * D * element_size)))
     # splits per (batch, head): about one item per program (an item more on some programs would double the
@@ -248,10 +244,11 @@ def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3):
     S = max(1, min(programs // (B * H), triton.cdiv(CAP, block_t)))
     split = triton.cdiv(triton.cdiv(CAP, S), block_t) * block_t
     S = triton.cdiv(CAP, split)
+    pow2 = triton.next_power_of_2
     return S, split, dict(
-        D=D, SP2=_next_pow2(S), BP2=BP2, DP=_next_pow2(d), FP=_next_pow2(F), HDP=_next_pow2(H * D),
+        D=D, SP2=pow2(S), BP2=BP2, DP=pow2(d), FP=pow2(F), HDP=pow2(H * D),
         CH_D=_chunk_rows(d, element_size), CH_F=_chunk_rows(F, element_size),
-        CH_HD=_chunk_rows(H * D, element_size), KB=max(16, min(_next_pow2(max(d, F, H * D)), 8192 // (BP2 * ROWS))),
+        CH_HD=_chunk_rows(H * D, element_size), KB=max(16, min(pow2(max(d, F, H * D)), 8192 // (BP2 * ROWS))),
         BLOCK_T=block_t, NS=stages if B == 1 else min(stages, 2))   # more rows: bigger tiles per stage
 
 
@@ -263,7 +260,7 @@ def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num
     phase (what the interpreter needs, and a baseline for the barriers)."""
     L, B, H, CAP, D = k_cache.shape
     d, F, V = x.size(1), w.wd.size(2), w.head.size(0)
-    if D != _next_pow2(D) or D < 16:
+    if D != triton.next_power_of_2(D) or D < 16:
         raise ValueError(f"the fused decode step takes head dims that are powers of two >= 16, not {D}")
     on_gpu = x.is_cuda and not interpreting()
     P = programs or (torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 3)
