@@ -83,7 +83,7 @@ class GPTConfig:
     fused_swiglu: str = "auto"          # "none" | "packed": one [gate | up] matmul | "triton": packed + Triton kernel
                                         # "auto" (each): fused on CUDA, unfused elsewhere (fused_setting)
     fused_loss_chunk: int = DEFAULT_CHUNK   # tokens per chunk of the chunked loss: on CUDA a chunk in flight takes
-                                            # ~4 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
+                                            # ~2 bytes x chunk x vocab (memory_plan); smaller: less memory, more launches
     # Recurrent baselines (FoX arXiv:2503.02130 §4.1), fla's layers (model/recurrent.py): attention=mamba2|hgrn2|
     # deltanet|gated_deltanet
     ssm_state_size: int = 128           # Mamba-2's d_state (attention=mamba2)
@@ -164,7 +164,7 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
         chunk = self.fused_loss_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"model.fused_loss_chunk={chunk!r} must be a positive number of tokens (default 8192)")
+            raise ValueError(f"model.fused_loss_chunk={chunk!r} must be a positive number of tokens (default {DEFAULT_CHUNK})")
         # "auto" leaves a LayerNorm or GELU model unfused; only an explicit request is refused
         if self.fused_norm is True and self.norm != "rmsnorm":
             raise ValueError(f"model.fused_norm=true fuses RMSNorm, but model.norm={self.norm}; "

@@ -197,14 +197,14 @@ def logits_bytes(c, B, T, a, compiled, device_type):
     """(kept after the forward, the extra in the loss's backward) for the (B, T, V) logits."""
     fused_loss = fused_setting("fused_loss", c.fused_loss, device_type)
     if fused_loss != "none":
-        # one chunk in flight. The chunked loss on CUDA: its logits in the autocast dtype and the gradient its
-        # Triton kernel writes (the same dtype). The PyTorch softmax
+        # one chunk in flight. The chunked loss on CUDA: its logits in the autocast dtype, which its Triton kernel
+        # overwrites with their gradient. The PyTorch softmax
         # (elsewhere): eager, its logits, logits - lse, probabilities, the target mask, probs - 1 and the masked
         # gradient (measured on CPU: 17-18 bytes per element); compiled, inductor fuses the elementwise ops down
         # to fp32 logits, probabilities and the gradient (measured on an H200)
         chunk = min(B * T, c.fused_loss_chunk) * c.vocab_size
         if fused_loss == "chunked" and device_type == "cuda":
-            per_element = 2 * a
+            per_element = a
         else:
             per_element = 2 * FP32 + a if compiled else 4 * FP32 + 1
         return a * B * T * c.n_embd + FP32 * c.vocab_size * c.n_embd, per_element * chunk

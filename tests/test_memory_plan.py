@@ -119,15 +119,15 @@ def test_step_peak_matches_the_plan(variant, vocab, bf16, mode):
 
 
 def test_the_loss_chunk_sets_the_logits_in_flight():
-    """On CUDA a chunk of the fused loss holds its bf16 logits and their gradient (4 bytes per logit;
+    """On CUDA a chunk of the fused loss holds its bf16 logits, overwritten by their gradient (2 bytes per logit;
     compiled on CPU ~10: fp32 logits and probabilities, the bf16 gradient): half the chunk, half of that term; the
     chunk never exceeds the micro-batch's tokens."""
     config = dict(n_layer=2, n_head=4, n_embd=64, vocab_size=50304, fused_loss="chunked")
     grads = {(chunk, device): memory_plan(GPTConfig(**config, fused_loss_chunk=chunk), micro_batch=8, seq_len=2048,
                                           compiled=True, device_type=device)["terms"]["logits_grads"]
              for chunk in (4096, 8192, 16384, 32768) for device in ("cuda", "cpu")}
-    assert grads[8192, "cuda"] == 2 * grads[4096, "cuda"] == 4 * 8192 * 50304
-    assert grads[16384, "cuda"] == grads[32768, "cuda"] == 4 * 16384 * 50304
+    assert grads[8192, "cuda"] == 2 * grads[4096, "cuda"] == 2 * 8192 * 50304
+    assert grads[16384, "cuda"] == grads[32768, "cuda"] == 2 * 16384 * 50304
     assert grads[8192, "cpu"] == 10 * 8192 * 50304
 
 

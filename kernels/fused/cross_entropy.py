@@ -4,10 +4,10 @@ For each chunk of `chunk_size` tokens the forward takes the chunk's logits x_c W
 dtype), their log-sum-exp in fp32, the chunk's loss, and at once the gradient of the mean loss with respect
 to those logits, softmax - onehot(target), divided by the number of counted targets and zero on ignored
 rows. That gradient goes straight into the chunk's dx = g W and into dW += g^T x_c (fp32); the logits are
-then dropped. So memory holds one chunk's logits and gradient instead of all N x V of them (and of their
+then dropped. So memory holds one chunk's logits (and gradient) instead of all N x V of them (and of their
 fp32 copy), and the backward only scales the stored dx and dW by the incoming gradient of the loss. Where the
-Triton kernels run (op.use_triton) the softmax step is one kernel, op.cross_entropy_grad, that reads each row
-of the logits twice and writes its gradient once: a chunk holds its logits and their gradient in the compute
+Triton kernels run (op.use_triton) the softmax step is one kernel, op.cross_entropy_grad_, that reads each row
+of the logits twice and overwrites it with its gradient: a chunk holds one (chunk, V) buffer in the compute
 dtype, no fp32 copies.
 
 The loss is the reference's (reference.linear_cross_entropy): logits rounded to the compute dtype, then
@@ -20,10 +20,10 @@ is PyTorch too, which inductor fuses into a few kernels per chunk.
 """
 import torch
 
-from kernels.fused.op import cross_entropy_grad, use_triton
+from kernels.fused.op import cross_entropy_grad_, use_triton
 from kernels.triton_utils import interpreting
 
-DEFAULT_CHUNK = 8192   # tokens per chunk: its bf16 logits and their gradient take 2 * chunk * V * 2 bytes
+DEFAULT_CHUNK = 16384  # tokens per chunk: its bf16 logits (overwritten by their gradient) take chunk * V * 2 bytes
 
 
 def compute_dtype(x, weight):
@@ -66,8 +66,8 @@ def _chunks(x, weight, targets, ignore_index, chunk_size, with_grads):
         chunk = (targets[start:start + chunk_size], counted[start:start + chunk_size], n_counted)
         logits = x_c @ weight.t()
         if with_grads and use_triton(logits):
-            loss, grad = cross_entropy_grad(logits, *chunk)
-            loss_sum = loss_sum + loss.sum()
+            loss_sum = loss_sum + cross_entropy_grad_(logits, *chunk).sum()
+            grad = logits                                  # overwritten with the gradient
         else:
             loss, grad = _torch_loss_and_grad(logits, *chunk, with_grads)
             loss_sum = loss_sum + loss
@@ -79,7 +79,7 @@ def _chunks(x, weight, targets, ignore_index, chunk_size, with_grads):
 
 def _torch_loss_and_grad(logits, targets, keep, n_counted, with_grads):
     """The summed loss of one chunk's logits (n, V) and, with_grads, the gradient of the mean loss with respect
-    to them in their dtype (else None): what the Triton kernel computes (cross_entropy_grad), in PyTorch."""
+    to them in their dtype (else None): what the Triton kernel computes (cross_entropy_grad_), in PyTorch."""
     target = torch.where(keep, targets, 0)[:, None]
     dtype, logits = logits.dtype, logits.float()
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)

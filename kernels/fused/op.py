@@ -1,4 +1,4 @@
-"""swiglu_linear, rms_norm, add_rms_norm and cross_entropy_grad: the Triton kernels (triton.py) as torch custom
+"""swiglu_linear, rms_norm, add_rms_norm and cross_entropy_grad_: the Triton kernels (triton.py) as torch custom
 ops (the first three joined by autograd), so torch.compile keeps each kernel one opaque call in its graph (no
 graph break), with the torch reference where Triton cannot run (CPU without TRITON_INTERPRET=1; fp64)."""
 from typing import Optional
@@ -152,26 +152,26 @@ def add_rms_norm(x, y, weight, eps, out_dtype=None):
 
 # ----------------------------------------------------------------------------- cross-entropy softmax + gradient
 
-@torch.library.custom_op("fused::cross_entropy_grad", mutates_args=())
-def _cross_entropy_grad(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
-                        n_counted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return fused_triton.cross_entropy_grad(logits, targets, keep, n_counted)
+@torch.library.custom_op("fused::cross_entropy_grad_", mutates_args=("logits",))
+def _cross_entropy_grad_(logits: torch.Tensor, targets: torch.Tensor, keep: torch.Tensor,
+                         n_counted: torch.Tensor) -> torch.Tensor:
+    return fused_triton.cross_entropy_grad_(logits, targets, keep, n_counted)
 
 
-@_cross_entropy_grad.register_fake
+@_cross_entropy_grad_.register_fake
 def _(logits, targets, keep, n_counted):
-    return logits.new_empty(logits.size(0), dtype=torch.float32), logits.new_empty(logits.shape)
+    return logits.new_empty(logits.size(0), dtype=torch.float32)
 
 
-def cross_entropy_grad(logits, targets, keep, n_counted):
-    """Per row of logits (n, V): the loss lse - logit[target] where keep (n,) is True, else 0 (fp32 (n,)), and
-    the gradient of sum(losses) / n_counted (a 1-element tensor) with respect to the logits, in their dtype:
-    (softmax - onehot(target)) * keep / n_counted, zero on rows not kept. Triton only (use_triton). Out of
-    place: an op that overwrote the logits would leave torch.compile's functionalization and reinplacing to
-    prove the matmul's output dead, for a saving of one chunk's logits."""
+def cross_entropy_grad_(logits, targets, keep, n_counted):
+    """Per row of logits (n, V): the loss lse - logit[target] where keep (n,) is True, else 0 (fp32 (n,)), returned;
+    and, in place, the logits become the gradient of sum(losses) / n_counted (a 1-element tensor) with respect to
+    them, in their dtype: (softmax - onehot(target)) * keep / n_counted, zero on rows not kept. Triton only
+    (use_triton). In place, a chunk holds one (n, V) buffer instead of two: under torch.compile the mutation of
+    the matmul's output, used nowhere else, is reinplaced (no copy)."""
     n = logits.size(0)
     if logits.dim() != 2 or logits.stride(1) != 1 or targets.shape != (n,) or keep.shape != (n,):
-        raise ValueError(f"cross_entropy_grad takes logits (n, V) with contiguous rows and targets, keep (n,); got "
+        raise ValueError(f"cross_entropy_grad_ takes logits (n, V) with contiguous rows and targets, keep (n,); got "
                          f"{tuple(logits.shape)} (strides {logits.stride()}), {tuple(targets.shape)}, "
                          f"{tuple(keep.shape)}")
-    return _cross_entropy_grad(logits, targets, keep, n_counted.reshape(1))
+    return _cross_entropy_grad_(logits, targets, keep, n_counted.reshape(1))

@@ -12,9 +12,10 @@ the tensors' own dtypes. On CPU they run under TRITON_INTERPRET=1.
     rms_norm_backward(dout, ds, s, w, rstd, dx_dtype, dy_dtype) -> (dx, dy, dw)
         d s = rstd * (g - s_hat * mean(g * s_hat)) + ds, g = dout * w, s_hat = s * rstd; dx = d s in dx_dtype,
         dy the same in dy_dtype (None: not written, an empty tensor), dw = sum over rows of dout * s_hat
-    cross_entropy_grad(logits, targets, keep, n_counted) -> (losses, grad)
-        per row of logits (n, V): lse - logit[target] where keep, else 0 (fp32 (n,)); grad (n, V) in the logits'
-        dtype: (softmax - onehot(target)) * keep / n_counted (the chunked loss's gradient); one program per row
+    cross_entropy_grad_(logits, targets, keep, n_counted) -> losses
+        per row of logits (n, V): lse - logit[target] where keep, else 0 (fp32 (n,)); the row is then overwritten
+        with its gradient (softmax - onehot(target)) * keep / n_counted (the chunked loss's), in the logits'
+        dtype; one program per row
 
 SwiGLU's programs each take BLOCK consecutive outputs of the flattened (M, H), whatever the rows' padding (so an
 odd H wastes no lanes). RMSNorm's rows are the last axis (contiguous); a program takes whole rows (in one block
@@ -198,11 +199,12 @@ CE_WARPS = 8
 
 if triton is not None:
     @triton.jit
-    def _cross_entropy_grad_kernel(logits_ptr, targets_ptr, keep_ptr, n_counted_ptr, losses_ptr, grad_ptr, V,
-                                   row_stride, BLOCK: tl.constexpr):
-        """One row: pass 1 an online max / sum of exp over V (fp32) -> lse and the row's loss; pass 2 writes
-        (softmax - onehot(target)) * keep / n_counted in the logits' dtype to the row of grad (contiguous rows).
-        Pass 2 walks the row backwards, so it starts on the blocks pass 1 read last (the likeliest still in L2)."""
+    def _cross_entropy_grad_kernel(logits_ptr, targets_ptr, keep_ptr, n_counted_ptr, losses_ptr, V, row_stride,
+                                   BLOCK: tl.constexpr):
+        """One row: pass 1 an online max / sum of exp over V (fp32) -> lse and the row's loss; pass 2 overwrites
+        each block of the row, after reading it, with (softmax - onehot(target)) * keep / n_counted in the logits'
+        dtype. Pass 2 walks the row backwards, so it starts on the blocks pass 1 read last (the likeliest still in
+        L2). The target's logit is read before pass 2 overwrites it."""
         row = tl.program_id(0).to(tl.int64)
         base = logits_ptr + row * row_stride
         cols = tl.arange(0, BLOCK)
@@ -227,18 +229,17 @@ if triton is not None:
             z = tl.load(base + at, mask=mask, other=0.0).to(tl.float32)
             p = tl.exp(z - lse)
             grad = tl.where(at == target, p - 1.0, p) * scale
-            tl.store(grad_ptr + row * V + at, grad.to(grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(base + at, grad.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
-def cross_entropy_grad(logits, targets, keep, n_counted):
+def cross_entropy_grad_(logits, targets, keep, n_counted):
     """The cross-entropy of each row of logits (n, V) (bf16, fp16 or fp32; last axis contiguous, rows any stride)
-    against targets (n,) where keep (n,) is True, 0 where it is False: fp32 (n,), lse - logit[target]; and the
-    gradient of sum(losses) / n_counted, (softmax - onehot(target)) * keep / n_counted, (n, V) in the logits'
-    dtype (n_counted: a 1-element tensor, read on the device). Math in fp32, softmax over all V columns."""
+    against targets (n,) where keep (n,) is True, 0 where it is False: fp32 (n,), lse - logit[target]. In place,
+    logits become the gradient of sum(losses) / n_counted, (softmax - onehot(target)) * keep / n_counted
+    (n_counted: a 1-element tensor, read on the device). Math in fp32, softmax over all V columns."""
     n, V = logits.shape
     losses = torch.empty(n, device=logits.device, dtype=torch.float32)
-    grad = torch.empty((n, V), device=logits.device, dtype=logits.dtype)
     if n:
-        _cross_entropy_grad_kernel[(n,)](logits, targets, keep, n_counted, losses, grad, V, logits.stride(0),
+        _cross_entropy_grad_kernel[(n,)](logits, targets, keep, n_counted, losses, V, logits.stride(0),
                                          BLOCK=min(CE_BLOCK, triton.next_power_of_2(V)), num_warps=CE_WARPS)
-    return losses, grad
+    return losses
