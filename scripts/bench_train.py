@@ -4,6 +4,7 @@
     python -m scripts.bench_train                                   # the issue's table on one GPU
     python -m scripts.bench_train --models baseline_paper_S castle_paper_S --steps 20
     python -m scripts.bench_train --models baseline_paper_S --override model.mlp_multiple_of=64
+    python -m scripts.bench_train --models baseline_paper_M baseline_paper_M:train.fp8=true --override model.mlp_multiple_of=16
     python -m scripts.bench_train --models fox_pro_125M --batch-tokens 16384 --profile 25 --sdpa-backend cudnn
     python -m scripts.bench_train --device cpu --models tiny --steps 2 --batch-tokens 128 --seq-len 64 --no-compile
     python -m scripts.bench_train --models transformer_pro_125M fox_pro_125M --rounds 3   # ratios under drift
@@ -46,6 +47,7 @@ from torch._dynamo.utils import counters
 
 from kernels.fused import LOSS_IMPLS
 from kernels.sdpa import prefer_sdpa_backend
+from model.fp8 import check_fp8_config, check_fp8_device, convert_to_fp8
 from model.gpt import ACTIVATION_CHECKPOINTING, FUSED_OFF, GPT, GPTConfig
 from model.runtime import CONFIG_DIR
 
@@ -60,16 +62,19 @@ def compose_config(overrides):
         return compose(config_name="config", overrides=list(overrides))
 
 
-def model_config(name, seq_len, overrides=()):
-    """(GPTConfig, context length) of an experiment config, or of the default tiny model; `name` may carry
-    overrides of its own, "EXPERIMENT:KEY=VALUE,KEY=VALUE" (applied before `overrides`)."""
+def experiment_config(name, overrides=()):
+    """The train.py config of an experiment config, or of the default tiny model; `name` may carry overrides of
+    its own, "EXPERIMENT:KEY=VALUE,KEY=VALUE" (applied before `overrides`)."""
     name, _, own = name.partition(":")
-    cfg = compose_config(([] if name == "tiny" else [f"experiment={name}"]) + [o for o in own.split(",") if o]
-                         + list(overrides))
-    if seq_len:
-        cfg.train.seq_len = seq_len
+    return compose_config(([] if name == "tiny" else [f"experiment={name}"]) + [o for o in own.split(",") if o]
+                          + list(overrides))
+
+
+def model_config(name, seq_len, overrides=()):
+    """(GPTConfig, context length: seq_len, else the experiment's) of experiment_config(name, overrides)."""
+    cfg = experiment_config(name, overrides)
     config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    return config, cfg.train.seq_len
+    return config, seq_len or cfg.train.seq_len
 
 
 FUSED_ALL = "loss=chunked,norm,swiglu=triton"
@@ -99,11 +104,19 @@ def fused_overrides(spec):
 
 def prepare(name, args, device, extra_overrides=(), label=None):
     """A compiled, warmed-up model of experiment `name` (Hydra overrides: args.override + extra_overrides):
-    a dict with its one-step function, sizes, and its row's label (default: name)."""
-    config, T = model_config(name, args.seq_len, list(args.override) + list(extra_overrides))
+    a dict with its one-step function, sizes, and its row's label (default: name). train.fp8=true among the
+    overrides converts the model's linear layers as train.py does."""
+    overrides = list(args.override) + list(extra_overrides)
+    config, T = model_config(name, args.seq_len, overrides)
+    fp8 = experiment_config(name, overrides).train.fp8
+    if fp8:
+        check_fp8_config(config)
+        check_fp8_device(device)
     batch = max(1, args.batch_tokens // T)
     torch.manual_seed(0)
     model = GPT(config).to(device)
+    if fp8:
+        convert_to_fp8(model)
     model.checkpoint_activations(args.activation_checkpointing, args.activation_checkpointing_every)
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4, fused=device.type == "cuda")
     run = torch.compile(model, mode=args.compile_mode) if args.compile else model

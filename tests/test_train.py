@@ -198,6 +198,14 @@ def test_training_benchmark_models_take_overrides_of_their_own():
     assert plain.attention != "castle" and plain.castle_silu and plain.n_layer == 6
 
 
+def test_training_benchmark_refuses_fp8_off_a_float8_gpu():
+    """train.fp8=true in a model's overrides converts it as train.py would, after the same checks."""
+    proc = run("scripts.bench_train", ["--device", "cpu", "--models", "tiny:train.fp8=true", "--steps", "1",
+                                          "--warmup", "1", "--batch-tokens", "16", "--seq-len", "16", "--no-compile"],
+               check=False)
+    assert proc.returncode != 0 and "train.fp8=true runs float8 matmuls, which need a CUDA GPU" in proc.stderr
+
+
 def test_scaling_benchmark_script_runs(tmp_path):
     """scripts.bench_scaling under gloo: 1 and 2 ranks at one global batch follow the same curve."""
     args = ["--gpus", "1", "2", "--parallel", "ddp", "--steps", "3", "--skip", "1", "--out", str(tmp_path), "--"]
