@@ -164,7 +164,8 @@ class GPTConfig:
                 raise ValueError(f"model.{name}={getattr(self, name)!r} is unknown; choose one of {list(allowed)}")
         chunk = self.fused_loss_chunk
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-            raise ValueError(f"model.fused_loss_chunk={chunk!r} must be a positive number of tokens (default {DEFAULT_CHUNK})")
+            raise ValueError(f"model.fused_loss_chunk={chunk!r} must be a positive number of tokens "
+                             f"(default {DEFAULT_CHUNK})")
         # "auto" leaves a LayerNorm or GELU model unfused; only an explicit request is refused
         if self.fused_norm is True and self.norm != "rmsnorm":
             raise ValueError(f"model.fused_norm=true fuses RMSNorm, but model.norm={self.norm}; "
