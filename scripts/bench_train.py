@@ -70,11 +70,14 @@ def experiment_config(name, overrides=()):
                           + list(overrides))
 
 
+def config_of(cfg, seq_len):
+    """(GPTConfig, context length: seq_len, else the experiment's) of a composed train.py config."""
+    return GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True)), seq_len or cfg.train.seq_len
+
+
 def model_config(name, seq_len, overrides=()):
-    """(GPTConfig, context length: seq_len, else the experiment's) of experiment_config(name, overrides)."""
-    cfg = experiment_config(name, overrides)
-    config = GPTConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-    return config, seq_len or cfg.train.seq_len
+    """config_of(experiment_config(name, overrides), seq_len)."""
+    return config_of(experiment_config(name, overrides), seq_len)
 
 
 FUSED_ALL = "loss=chunked,norm,swiglu=triton"
@@ -106,9 +109,9 @@ def prepare(name, args, device, extra_overrides=(), label=None):
     """A compiled, warmed-up model of experiment `name` (Hydra overrides: args.override + extra_overrides):
     a dict with its one-step function, sizes, and its row's label (default: name). train.fp8=true among the
     overrides converts the model's linear layers as train.py does."""
-    overrides = list(args.override) + list(extra_overrides)
-    config, T = model_config(name, args.seq_len, overrides)
-    fp8 = experiment_config(name, overrides).train.fp8
+    cfg = experiment_config(name, list(args.override) + list(extra_overrides))
+    config, T = config_of(cfg, args.seq_len)
+    fp8 = cfg.train.fp8
     if fp8:
         check_fp8_config(config)
         check_fp8_device(device)
