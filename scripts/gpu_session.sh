@@ -20,7 +20,7 @@
 #   bash scripts/gpu_session.sh fsdp                 # 2-4 GPUs: CASTLE-XL, FoX (Pro) 760M under FSDP2 + checkpointing
 #   bash scripts/gpu_session.sh ac                   # 4 GPUs: the checkpointing table (largest micro-batch in 80 GB)
 #   bash scripts/gpu_session.sh window               # the sliding-window and CUDA-graph decoding GPU tests
-#   [FP8_OVERRIDES="model.mlp_multiple_of=16"] bash scripts/gpu_session.sh fp8   # 2 GPUs: Baseline-M 500 steps,
+#   [FP8_OVERRIDES="model.mlp_multiple_of=16"] bash scripts/gpu_session.sh fp8   # 1-2 GPUs: Baseline-M 500 steps,
 #                                                    # bf16 vs train.fp8=true, side by side
 #   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
@@ -34,8 +34,9 @@
 # carry: [".whl", ".gpu_data"]: fill .whl with ../shared/tools/device-wheels.sh plus
 # `pip download --no-deps -d .whl flash-linear-attention==0.6.0 einops` (the recurrent layers),
 # `pip install --no-deps --target .whl/liger liger-kernel==0.8.5`, `pip download --no-deps -d .whl torchao==0.18.0`
-# (stage fp8) and `cp ../shared/bench/plain_llama_step.py .whl/`
-# (stage fused); .gpu_data/text with
+# (stage fp8), zarr's wheels for python 3.12 (`pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl zarr numcodecs donfig google-crc32c`:
+# data/loader.py imports zarr) and `cp ../shared/bench/plain_llama_step.py .whl/` (stage fused); .gpu_data/text with
 # `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`,
 # its train shard compressed to fit the 64 MiB carry (`xz -T2 .gpu_data/text/train_000000.bin`; unpacked here).
 # Keep each stage under the device's 10-minute limit: compiling takes 1.5-5 minutes per model (the CASTLE M
@@ -135,9 +136,11 @@ case "${1:-tests}" in
            done; wait; tail -n 8 "$OUT"/ac_*.log ;;
   window)  timeout ${WINDOW_TIMEOUT:-240} python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py \
              tests/test_decode_graph.py -k "window or swa or graph" 2>&1 | tee "$OUT/pytest_window.log" | tail -6 ;;
-  fp8)     for fp8 in false true; do   # GPU FIRST_GPU: bf16, the next: fp8; 500 steps of 65536 tokens (33M)
-             CUDA_VISIBLE_DEVICES=$((${FIRST_GPU:-0} + $([ $fp8 = true ] && echo 1 || echo 0))) python train.py experiment=baseline_paper_M \
-               data=text data.dir=.gpu_data/text train.max_steps=500 train.global_batch_tokens=65536 \
+  fp8)     N=$(nvidia-smi -L | wc -l)   # bf16 on GPU FIRST_GPU, fp8 on the next (on one GPU, both share it: the
+           # loss curves are the point, not the speed); 500 steps of 32768 tokens (16M)
+           for fp8 in false true; do
+             CUDA_VISIBLE_DEVICES=$(((${FIRST_GPU:-0} + $([ $fp8 = true ] && echo 1 || echo 0)) % N)) python train.py experiment=baseline_paper_M \
+               data=text data.dir=.gpu_data/text train.max_steps=500 train.global_batch_tokens=32768 \
                optim.warmup_steps=50 train.eval_interval=100 train.eval_tokens=262144 train.ckpt_interval=1000 \
                train.sample_tokens=0 train.fp8=$fp8 train.out_dir=/tmp/fp8_$fp8 ${FP8_OVERRIDES:-} > "$OUT/fp8_$fp8.log" 2>&1 &
            done; wait
