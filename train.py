@@ -38,7 +38,7 @@ from evaluation import ValSplit
 from evaluation.heldout import mean_loss
 from evaluation.plots import plot_runs
 from evaluation.samples import stream_text
-from kernels.sdpa import SDPA_BACKENDS, prefer_sdpa_backend
+from kernels.sdpa import ATTENTION_BACKENDS, prefer_sdpa_backend
 from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkpoints, atomic_write,
                               checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
                               load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
@@ -57,7 +57,7 @@ OPTIONS = {
     "train.global_batch_tokens": optional(integer(1)), "train.max_steps": integer(1),
     "train.out_dir": text(), "train.resume": text(), "train.if_exists": one_of("error", "archive"),
     "train.device": DEVICE, "train.dtype": one_of("auto", "bf16", "fp32"), "train.compile": one_of("auto", True, False),
-    "train.sdpa_backend": one_of("auto", *SDPA_BACKENDS), "train.parallel": one_of("ddp", "fsdp"),
+    "train.sdpa_backend": one_of(*ATTENTION_BACKENDS), "train.parallel": one_of("ddp", "fsdp"),
     "train.activation_checkpointing": one_of(*ACTIVATION_CHECKPOINTING),
     "train.activation_checkpointing_every": integer(1), "train.memory_check": one_of(*MEMORY_CHECKS),
     "train.seed": integer(0), "train.log_interval": integer(1), "train.eval_interval": integer(1),

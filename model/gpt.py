@@ -27,7 +27,7 @@ from kernels.forgetting import forgetting_attn, forgetting_decode
 from kernels.fused import DEFAULT_CHUNK, LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu_linear
 from kernels.fused import reference as fused_reference
 from kernels.llama_step import MAX_BATCH as FUSED_MAX_BATCH
-from kernels.sdpa import decode_sdpa
+from kernels.sdpa import causal_attention, decode_sdpa
 from model.cache import InferenceCache, SoftmaxCache, WindowCache, attend_rows
 from model.recurrent import LAYERS as RECURRENT_LAYERS
 from model.recurrent import RECURRENT_ATTENTIONS, check_widths
@@ -535,7 +535,7 @@ class SoftmaxAttention(nn.Module):
             return forgetting_attn(q, k, v, log_fgate)
         dropout = self.dropout if self.training else 0.0
         if fresh:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+            return causal_attention(q, k, v, dropout)
         # One new query sees every cached key: no mask, so SDPA can take FlashAttention's split-KV decode. Given
         # the (all-true) mask it takes a kernel parallel over queries only, which leaves most of the GPU idle for a
         # single query over a long cache.

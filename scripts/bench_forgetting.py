@@ -9,7 +9,9 @@ forward+backward for:
     in fp32 (a captured tensor that requires grad: flex's backward scatters its gradient);
   - SDPA causal with the FlashAttention backend: plain attention, no gate, the speed yardstick;
   - SDPA causal with the cuDNN backend, when it runs here: on Hopper faster than FlashAttention-2
-    and SDPA's default there.
+    and SDPA's default there;
+  - FlashAttention-4 causal, no gate (kernels/fa4.py, train.sdpa_backend=fa4), when `flash-attn-4` is
+    installed: on Hopper faster than cuDNN.
 TFLOP/s count the causal matmul FLOPs only, FlashAttention's convention: forward 2*B*H*L^2*D,
 forward+backward 3.5x that, the same for every implementation.
 
@@ -38,13 +40,14 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from kernels import forgetting
+from kernels import fa4, forgetting
 from kernels.forgetting.triton import bwd_tuned, fwd_tuned
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-OURS, REF, FLA, FLEX, SDPA, CUDNN = (
+OURS, REF, FLA, FLEX, SDPA, CUDNN, FA4 = (
     "FoX Triton (ours)", "FoX torch reference", "fla-core parallel_forgetting_attn",
-    "FlexAttention, score_mod c_i - c_j", "SDPA flash causal (no gate)", "SDPA cuDNN causal (no gate)")
+    "FlexAttention, score_mod c_i - c_j", "SDPA flash causal (no gate)", "SDPA cuDNN causal (no gate)",
+    "FlashAttention-4 causal (no gate)")
 SWA, FLEX_SWA, FOX_SWA, FLEX_FOX_SWA, CAUSAL = (
     "SWA Triton, no gate (ours)", "FlexAttention SWA block mask", "FoX-SWA Triton (ours)",
     "FlexAttention SWA block mask, score_mod c_i - c_j", "causal Triton, no gate (ours, full)")
@@ -116,7 +119,8 @@ def window_implementations(q, k, v, log_fgate, window):
 
 
 def sdpa_causal(q, k, v):
-    """The SDPA rows (16-bit only): full causal attention with FlashAttention, and cuDNN where it runs."""
+    """The rows without a gate (16-bit only): full causal attention through SDPA with FlashAttention, cuDNN
+    where it runs, and FlashAttention-4 where it is installed."""
     impls = {}
 
     def sdpa():
@@ -133,6 +137,11 @@ def sdpa_causal(q, k, v):
             impls[CUDNN] = (cudnn, (q, k, v), False)
         except RuntimeError as e:  # no cuDNN attention for this GPU / shape: report and go on
             print(f"SDPA cuDNN backend unavailable: {e}".splitlines()[0], file=sys.stderr)
+        try:
+            fa4.fa4_interface()
+            impls[FA4] = (lambda: fa4.fa4_causal_attention(q, k, v), (q, k, v), False)
+        except ImportError as e:  # not installed: report and go on
+            print(f"{FA4} skipped: {e}".splitlines()[0], file=sys.stderr)
     return impls
 
 

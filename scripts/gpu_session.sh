@@ -39,6 +39,11 @@
 # data/loader.py imports zarr) and `cp ../shared/bench/plain_llama_step.py .whl/` (stage fused); .gpu_data/text with
 # `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`,
 # its train shard compressed to fit the 64 MiB carry (`xz -T2 .gpu_data/text/train_000000.bin`; unpacked here).
+# FlashAttention-4 (train.sdpa_backend=fa4, tests/test_fa4.py): `pip download flash-attn-4` and its dependencies
+# for python 3.12 (not torch, not cuda-bindings: the image has both); its nvidia-cutlass-dsl-libs-cu12 wheel (92 MB)
+# exceeds one carry, so unzip it, tar | xz it, split the archive in two, and carry the halves in two back-to-back
+# calls to one warm machine (the first copies its half to /tmp); then unpack into a --target dir and put it and its
+# nvidia_cutlass_dsl/dsl_packages on PYTHONPATH (a .pth file there is not read).
 # Keep each stage under the device's 10-minute limit: compiling takes 1.5-5 minutes per model (the CASTLE M
 # models the longest), so give `train` two to four models per call.
 set -uo pipefail
