@@ -1,9 +1,9 @@
 """Activation checkpointing (train.activation_checkpointing, GPT.checkpoint_activations): the recomputed
 blocks give the loss and every gradient of the run without it, for every attention variant, the CASTLE
-and FoX Triton kernels, torch.compile, dropout, DDP and FSDP2; the activations saved for the backward
-and the peak memory fall; a cached (inference) forward never recomputes; bad values are named."""
+and FoX Triton kernels, torch.compile, dropout, DDP and FSDP2 (test_train.py's FSDP run); the activations
+saved for the backward and the peak memory fall; a cached (inference) forward never recomputes; bad values
+are named."""
 import functools
-import os
 
 import pytest
 import torch
@@ -18,8 +18,6 @@ from test_entry_errors import compose_config
 from test_model import VARIANTS, tiny
 from test_train import TINY, run, train_losses
 
-MODES = ("selective", "full")
-
 
 def loss_and_grads(model, idx, params_of=None):
     """Loss and {name: gradient} of one forward and backward; params_of: the module that holds the
@@ -31,14 +29,15 @@ def loss_and_grads(model, idx, params_of=None):
     return loss.detach(), {n: p.grad.clone() for n, p in params_of.named_parameters()}
 
 
-def assert_same(got, expected, rtol=1e-6):
-    """Loss and every gradient equal, exactly or within rtol of the largest entry."""
+def assert_same(got, expected, rtol=1e-6, case=None):
+    """Loss and every gradient equal, exactly or within rtol of the largest entry; `case` names the
+    run in the messages (a test that checks several)."""
     (loss, grads), (loss_ref, grads_ref) = got, expected
-    assert abs(loss - loss_ref) <= rtol * abs(loss_ref), (loss, loss_ref)
-    assert grads.keys() == grads_ref.keys()
+    assert abs(loss - loss_ref) <= rtol * abs(loss_ref), (case, loss, loss_ref)
+    assert grads.keys() == grads_ref.keys(), case
     for name, g in grads.items():
         err = (g - grads_ref[name]).abs().max()
-        assert err <= rtol * grads_ref[name].abs().max(), (name, err.item())
+        assert err <= rtol * grads_ref[name].abs().max(), (case, name, err.item())
 
 
 def attention_runs(model):
@@ -53,18 +52,19 @@ def random_tokens(config, batch=2, length=None):
     return torch.randint(0, config.vocab_size, (batch, (length or config.block_size) + 1))
 
 
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", VARIANTS)
-def test_recomputed_blocks_keep_loss_and_every_gradient(name, mode):
+def test_recomputed_blocks_keep_loss_and_every_gradient(name):
     """fp32 CPU: the same loss and gradients as without checkpointing; the chosen blocks (selective: 0 and 2
-    of 3) really run their attention twice, once in the forward and once in the backward."""
+    of 3) really run their attention twice, once in the forward and once in the backward. Both modes
+    switch the one model, so they share its run without checkpointing."""
     model = GPT(tiny(n_layer=3, **VARIANTS[name]))
     idx = random_tokens(model.config)
     expected = loss_and_grads(model, idx)
-    runs = attention_runs(model)
-    assert model.checkpoint_activations(mode) == (3 if mode == "full" else 2)
-    assert_same(loss_and_grads(model, idx), expected)
-    assert runs == ([2, 2, 2] if mode == "full" else [2, 1, 2])
+    for mode, recomputed, twice in (("selective", 2, [2, 1, 2]), ("full", 3, [2, 2, 2])):
+        runs = attention_runs(model)                     # counts this mode's runs
+        assert model.checkpoint_activations(mode) == recomputed, mode
+        assert_same(loss_and_grads(model, idx), expected, case=mode)
+        assert runs == twice, (mode, runs)
 
 
 @pytest.fixture
@@ -133,38 +133,36 @@ def test_peak_memory_falls():
     assert peak["full"] < 0.4 * peak["none"] and peak["full"] < peak["selective"] < 0.7 * peak["none"], peak
 
 
-def compiled_case(name, mode):
-    """(eager loss and gradients without checkpointing, compiled ones with `mode`, saved bytes compiled
-    with and without `mode`) of a tiny model; aot_eager runs AOTAutograd's partitioner, which decides what
+def assert_compiled_recomputes(name, most_saved):
+    """A tiny model compiled afresh without checkpointing and under each mode of `most_saved`: every mode
+    keeps the eager loss and gradients without checkpointing, and saves less than its share
+    most_saved[mode] of what the compiled model without checkpointing saves. The modes share the model,
+    its eager run and that compiled run. aot_eager runs AOTAutograd's partitioner, which decides what
     the compiled backward recomputes, without Inductor's slow CPU code generation."""
     model = GPT(tiny(n_layer=2, block_size=16, **VARIANTS[name]))
     idx = random_tokens(model.config, batch=1)
     expected = loss_and_grads(model, idx)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)   # fullgraph: no graph break
-    saved_none = saved_activation_bytes(compiled, idx, model)
-    model.checkpoint_activations(mode)
-    torch._dynamo.reset()
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    saved = saved_activation_bytes(compiled, idx, model)
-    return expected, loss_and_grads(compiled, idx, model), saved_none, saved
+    saved = {}
+    for mode in ("none", *most_saved):
+        model.checkpoint_activations(mode)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)   # fullgraph: no graph break
+        saved[mode] = saved_activation_bytes(compiled, idx, model)
+        if mode != "none":
+            assert_same(loss_and_grads(compiled, idx, model), expected, case=mode)
+            assert saved[mode] < most_saved[mode] * saved["none"], (mode, saved)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_compiled_model_recomputes(mode):
+def test_compiled_model_recomputes():
     """torch.compile traces the non-reentrant checkpoint in one graph, keeps the gradients and saves less."""
-    expected, got, saved_none, saved = compiled_case("transformer_pro", mode)
-    assert_same(got, expected)
-    assert saved < (0.25 if mode == "full" else 0.75) * saved_none, (saved, saved_none)
+    assert_compiled_recomputes("transformer_pro", {"selective": 0.75, "full": 0.25})
 
 
 @pytest.mark.slow
 def test_compiled_castle_custom_ops_recompute(triton_kernels):
     """The castle::triton_fwd op inside a recomputed block is run again by the compiled backward. (FoX's
     Triton autograd function is traced only on CUDA: dynamo cannot trace the interpreter's launches.)"""
-    expected, got, saved_none, saved = compiled_case("castle", "full")
-    assert_same(got, expected)
-    assert saved < 0.25 * saved_none, (saved, saved_none)
+    assert_compiled_recomputes("castle", {"full": 0.25})
 
 
 def test_dropout_draws_the_same_masks_when_recomputed():
@@ -222,16 +220,18 @@ def test_largest_fitting_micro_batch_search():
 
 # ----------------------------------------------------------------------------- train.py and the benchmark
 
-def test_train_refuses_an_unknown_mode(tmp_path):
-    proc = run("train.py", TINY + [f"train.out_dir={tmp_path}", "train.activation_checkpointing=some"], check=False)
-    assert proc.returncode == 2 and not os.listdir(tmp_path)
-    assert ("train.activation_checkpointing=some is invalid: it must be one of none, selective, full"
-            in proc.stderr), proc.stderr
-
-
-def test_train_refuses_a_selective_step_below_one():
-    with pytest.raises(ValueError, match="activation_checkpointing_every=0 is invalid: it must be an integer >= 1"):
-        train.check_train_options(compose_config("config", ["train.activation_checkpointing_every=0"]))
+@pytest.mark.parametrize("override,expected", [
+    ("train.activation_checkpointing=some",
+     "train.activation_checkpointing=some is invalid: it must be one of none, selective, full"),
+    ("train.activation_checkpointing_every=0",
+     "train.activation_checkpointing_every=0 is invalid: it must be an integer >= 1"),
+], ids=["mode", "every"])
+def test_train_refuses_bad_checkpointing_options(override, expected):
+    """train.py checks its options before anything else (test_entry_errors: a bad one exits 2 and writes
+    nothing), in process here."""
+    with pytest.raises(ValueError) as info:
+        train.check_train_options(compose_config("config", [override]))
+    assert expected in str(info.value)
 
 
 COMMON = TINY + ["train.max_steps=3", "train.global_batch_tokens=256", "train.ckpt_interval=100"]
@@ -266,17 +266,6 @@ def test_compiled_training_run(losses_without, tmp_path):
     assert sorted(losses) == [1, 2, 3]
     for step, loss in losses.items():
         assert abs(loss - losses_without[step]) < 1e-5 * loss, (losses, losses_without)
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_fsdp_two_ranks_full_is_bit_identical_to_none(tmp_path):
-    """FSDP2 units are the blocks; the recomputed forward sits inside them (gloo, 2 ranks)."""
-    fsdp = ["train.parallel=fsdp"]
-    _, none = run_losses(tmp_path / "none", fsdp, torchrun=2)
-    stdout, full = run_losses(tmp_path / "full", fsdp + ["train.activation_checkpointing=full"], torchrun=2)
-    assert "2 rank(s)" in stdout and "activation checkpointing full" in stdout
-    assert full == none and sorted(full) == [1, 2, 3]
 
 
 @pytest.mark.slow
