@@ -3,12 +3,7 @@ run with `plot_runs([out_dir], out_dir/loss.png)`; `python -m scripts.plot_runs 
 import json
 import os
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from model.checkpoint import atomic_write  # noqa: E402
+from model.checkpoint import atomic_write
 
 
 def read_metrics(run_dir):
@@ -30,6 +25,10 @@ def plot_runs(run_dirs, out_path):
     """Train loss (line) and validation loss (dots) per run, one colour and one legend entry per run. The y axis
     stops at 1.15x the highest final train loss: the runs' early losses, seen in every run alike, would
     otherwise squeeze the tenths they end apart into a few pixels."""
+    # imported here: it takes seconds, which every train.py start (a refused bad option too) would pay
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
     many = len(run_dirs) > 4
     fig, ax = plt.subplots(figsize=(9 if many else 7, 4.5))
     colors = plt.get_cmap("tab20" if len(run_dirs) > 10 else "tab10").colors

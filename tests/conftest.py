@@ -12,6 +12,10 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N` on about N cores: a worker's second intra-op thread would only wait for a core the other
+    # workers hold (small ops measured several times slower); subprocesses get OMP_NUM_THREADS=1 already
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
