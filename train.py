@@ -38,7 +38,7 @@ from evaluation import ValSplit
 from evaluation.heldout import mean_loss
 from evaluation.plots import plot_runs
 from evaluation.samples import stream_text
-from kernels.sdpa import ATTENTION_BACKENDS, prefer_sdpa_backend
+from kernels.sdpa import ATTENTION_BACKENDS, check_fa4_dropout, prefer_sdpa_backend
 from model.checkpoint import (DcpSave, archive_earlier_run, archive_newer_checkpoints, atomic_write,
                               checkpoint_files, checkpoint_step, config_dict, disk_bytes, is_checkpoint,
                               load_checkpoint, load_dcp_state, locked_run_dir, model_from_checkpoint,
@@ -459,6 +459,8 @@ def run(cfg, overrides, model_group, dist_info, out_dir):
     if cfg.train.fp8:
         check_fp8_config(model_config)
         check_fp8_device(device)
+    if cfg.train.sdpa_backend == "fa4":
+        check_fa4_dropout(model_config.dropout)
     raw_model = GPT(model_config).to(device)
     recomputed = raw_model.checkpoint_activations(cfg.train.activation_checkpointing,
                                                   cfg.train.activation_checkpointing_every)

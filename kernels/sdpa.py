@@ -52,10 +52,15 @@ def causal_attention(q, k, v, dropout_p=0.0):
     """Causal self-attention of whole sequences, (B, H, L, D): SDPA, or FlashAttention-4 where chosen."""
     if not _use_fa4:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
-    if dropout_p:
-        raise ValueError("train.sdpa_backend=fa4 has no attention dropout: set model.dropout=0 or choose "
-                         "another backend")
+    check_fa4_dropout(dropout_p)
     return fa4_causal_attention(q, k, v)
+
+
+def check_fa4_dropout(dropout):
+    """FlashAttention-4 has no attention dropout: train.py refuses the pair before training starts."""
+    if dropout:
+        raise ValueError(f"train.sdpa_backend=fa4 has no attention dropout, but model.dropout={dropout}: set "
+                         "model.dropout=0 or choose another backend")
 
 
 def decode_sdpa(q, k, v, attn_mask=None, scale=None, dropout_p=0.0):

@@ -282,7 +282,8 @@ def main():
     p.add_argument("--activation-checkpointing-every", type=int, default=2, metavar="K",
                    help="selective: every K-th block (train.activation_checkpointing_every)")
     p.add_argument("--peak-flops", type=float, default=989e12)
-    p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...; fa4: FlashAttention-4 (kernels/fa4.py)")
+    p.add_argument("--sdpa-backend", default="auto",
+                   help="backend SDPA tries first: auto, cudnn, flash, ...; fa4: FlashAttention-4 (kernels/fa4.py)")
     p.add_argument("--profile", type=int, default=0, metavar="ROWS",
                    help="print the top ROWS kernels of each model (CUDA)")
     p.add_argument("--rounds", type=int, default=1,

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 
 import kernels.fa4 as fa4
 import kernels.sdpa as sdpa
+import train
 from kernels.sdpa import causal_attention, prefer_sdpa_backend
 from model.gpt import GPT, GPTConfig
+from test_entry_errors import compose_config
 
 HAVE_FA4 = importlib.util.find_spec("flash_attn") is not None and importlib.util.find_spec("flash_attn.cute") is not None
 needs_fa4 = pytest.mark.skipif(not HAVE_FA4, reason="needs flash-attn-4 (pip install flash-attn-4)")
@@ -151,3 +153,14 @@ def test_gpu_model_trains_alike():
     assert abs(loss_fa4 - loss_sdpa) < 2e-3
     for a, b in zip(g_fa4, g_sdpa):
         assert (a - b).norm() <= 2e-2 * b.norm() + 1e-6
+
+
+def test_train_refuses_dropout_under_fa4_before_building_the_model(reference_kernels, tmp_path, monkeypatch):
+    """train.py's check comes with the model's other checks, before the model is built or a step runs."""
+    built = []
+    monkeypatch.setattr(train, "GPT", lambda *a, **kw: built.append(1))
+    cfg = compose_config("config", ["size=tiny", "model.dropout=0.1", "train.sdpa_backend=fa4", "train.device=cpu",
+                                    f"train.out_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="train.sdpa_backend=fa4 has no attention dropout, but model.dropout=0.1"):
+        train.train(cfg, [], "llama")
+    assert not built
