@@ -492,6 +492,40 @@ def test_triton_public_api_and_strides():
     assert rel(out, ref) < 2e-6 and rel(g, gref) < 4e-6
 
 
+@pytest.mark.parametrize("layout", ["heads_inner", "fused_projection", "mixed"])
+def test_triton_layouts(layout):
+    """One set of strides serves the inputs, out, dO and the gradients (same_layout): inputs in (B, L, H, D)
+    storage, as a model's heads come, run as they are, and out and every gradient come in that storage (a
+    model's merge of the heads is then a view); views of one fused projection, and a mix of the two (RoPE'd
+    and plain heads), are laid out first. The results equal those of contiguous inputs bitwise."""
+    B, H, L, D = 2, 3, 37, 32
+    values = torch.randn(6, B, L, H, D)
+    go = torch.randn(B, L, H, D)
+    cfg = TILE16
+
+    def run(xs, do):
+        xs = [x.detach().clone().requires_grad_() for x in xs]
+        out = attn_triton(*xs, 3, D ** -0.5, cfg)
+        return out, torch.autograd.grad(out, xs, do)
+
+    ref, gref = run([v.transpose(1, 2).contiguous() for v in values], go.transpose(1, 2).contiguous())
+    heads_inner = [v.transpose(1, 2) for v in values]          # (B, L, H, D) storage
+    fused = values.permute(1, 2, 0, 3, 4).contiguous()         # (B, L, 6, H, D): one projection's output
+    if layout == "heads_inner":
+        xs = heads_inner
+    else:
+        leaf = fused.requires_grad_()
+        views = leaf.permute(2, 0, 3, 1, 4).unbind(0)
+        xs = views if layout == "fused_projection" else [*heads_inner[:2], *views[2:]]
+        out = attn_triton(*xs, 3, D ** -0.5, cfg)
+        (g,) = torch.autograd.grad(out, leaf, go.transpose(1, 2))
+        assert torch.equal(out, ref) and torch.equal(g.permute(2, 0, 3, 1, 4)[2:], torch.stack(gref[2:]))
+    out, g = run(xs, go.transpose(1, 2))
+    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref))
+    if layout == "heads_inner":
+        assert out.transpose(1, 2).is_contiguous() and all(t.transpose(1, 2).is_contiguous() for t in g)
+
+
 @pytest.mark.parametrize("window", [None, 3, 20])
 def test_triton_saved_state(window):
     """Invariant 5: the kernel's U buffer holds U^t at t = save_t; lse is the row logsumexp (log2)."""

@@ -13,7 +13,8 @@ from typing import Optional
 import torch
 
 from kernels.castle.reference import attn_blockwise, attn_parallel, check_inputs
-from kernels.castle.triton import TritonConfig, default_config, forward_buffers, triton_backward, triton_forward
+from kernels.castle.triton import (TritonConfig, default_config, forward_buffers, same_layout, triton_backward,
+                                   triton_forward)
 from kernels.triton_utils import padded_head_dim, require_triton, triton
 
 IMPLS = ("auto", "torch", "blockwise", "triton")
@@ -43,8 +44,13 @@ def _triton_fwd_op(qc: torch.Tensor, kc: Optional[torch.Tensor], vc: torch.Tenso
 @_triton_fwd_op.register_fake
 def _(qc, kc, vc, qu, ku, vu, window, scale, silu, cfg_key):
     cfg = _config_from_key(cfg_key)
-    out, lse, u = forward_buffers(qc, cfg)
+    out, lse, u = forward_buffers(_laid_out_qc(qc, kc, vc, qu, ku, vu), cfg)
     return out, lse, _u_kept(u, cfg)
+
+
+def _laid_out_qc(qc, kc, vc, qu, ku, vu):
+    """qc as the kernels take it: out and the gradients are allocated like it (fakes must give their strides)."""
+    return same_layout([qc, kc, vc, qu, ku, vu])[0]
 
 
 def _u_kept(u, cfg):
@@ -57,8 +63,8 @@ def _triton_bwd_op(do: torch.Tensor, qc: torch.Tensor, kc: Optional[torch.Tensor
                    qu: torch.Tensor, ku: torch.Tensor, vu: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                    u: torch.Tensor, window: Optional[int], scale: float, silu: bool,
                    cfg_key: str) -> list[torch.Tensor]:
-    """-> dqc, dkc, dvc, dqu, dku, dvu, contiguous, in the inputs' dtype (dkc empty without causal keys: ops
-    return tensors)."""
+    """-> dqc, dkc, dvc, dqu, dku, dvu, laid out like qc (same_layout), in the inputs' dtype (dkc empty without
+    causal keys: ops return tensors)."""
     grads = triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u if u.numel() else None, window, scale,
                             _config_from_key(cfg_key), silu)
     return [qc.new_empty(0) if g is None else g for g in grads]
@@ -66,7 +72,8 @@ def _triton_bwd_op(do: torch.Tensor, qc: torch.Tensor, kc: Optional[torch.Tensor
 
 @_triton_bwd_op.register_fake
 def _(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, silu, cfg_key):
-    return [qc.new_empty(0) if t is None else t.new_empty(t.shape) for t in (qc, kc, vc, qu, ku, vu)]
+    like = _laid_out_qc(qc, kc, vc, qu, ku, vu)
+    return [qc.new_empty(0) if t is None else torch.empty_like(like) for t in (qc, kc, vc, qu, ku, vu)]
 
 
 def _save_for_backward(ctx, inputs, output):
@@ -95,6 +102,9 @@ def attn_triton(qc, kc, vc, qu, ku, vu, window, scale, cfg=None, silu=True):
                          "use impl='blockwise' or a smaller head_dim")
     cfg = cfg or default_config(padded_head_dim(qc.shape[-1]), qc.dtype)
     assert cfg.m_fwd % cfg.n_fwd == 0 and cfg.m_bwd % cfg.n_bwd == 0 and cfg.m_fwd % cfg.m_bwd == 0, cfg
+    # Laid out here, not only inside the op: under torch.compile the copies (if any) are then Inductor's, and
+    # fuse with the RoPE that produces the inputs
+    qc, kc, vc, qu, ku, vu = same_layout([qc, kc, vc, qu, ku, vu])
     return _triton_fwd_op(qc, kc, vc, qu, ku, vu, window, scale, silu, _config_key(cfg))[0]
 
 

@@ -49,7 +49,7 @@ How the kernels schedule the block algorithm (equivalent to the paper's anti-dia
     take exact fp32 matmuls (~1e-6).
 
 Internal API (tests, scripts/bench_castle.py, scripts/castle_regs.py): TritonConfig, BWD_VARIANTS,
-default_config, gpu_config, triton_forward, triton_backward, forward_buffers, fwd_constexprs,
+default_config, gpu_config, triton_forward, triton_backward, forward_buffers, same_layout, fwd_constexprs,
 bwd_kernels, fwd_head_group, BWD_HEAD_GROUP, ds_strips, strip_count, sigma_prescaled, in_bounds,
 dot_dtype, castle_fwd_kernel, castle_bwd_kernel.
 """
@@ -382,7 +382,7 @@ if triton is not None:
             acc = tl.dot(p.to(DT), vc_c, acc * alpha[:, None], input_precision=PREC)
             m = m_new
 
-        o_ptr = OUT + bh.to(tl.int64) * L * HEAD_DIM + rows_a[:, None] * HEAD_DIM + offs_d[None, :]
+        o_ptr = OUT + off + rows_a[:, None] * stride_l + offs_d[None, :]     # out: the inputs' strides
         tl.store(o_ptr, (acc / denom[:, None]).to(OUT.dtype.element_ty), mask=mask_a)
         tl.store(LSE + bh.to(tl.int64) * (NR * BM) + rows_a, m * LOG2E + tl.log2(denom))
 
@@ -412,7 +412,7 @@ if triton is not None:
         forms E; its row loop then runs software-pipelined with SIGMA_STAGES stages (Triton prefetches the next
         step's tiles). CAUSAL_KEYS, SILU: as in castle_fwd_kernel (without causal keys no dKc)."""
         off = (bh // H).to(tl.int64) * stride_b + (bh % H).to(tl.int64) * stride_h
-        g_off = bh.to(tl.int64) * L * HEAD_DIM                    # row gradients and DO: contiguous (B, H, L, D)
+        g_off = bh.to(tl.int64) * L * HEAD_DIM                    # the row gradients' fp32 sums: (B, H, L, D)
         lse_off = bh.to(tl.int64) * lse_rows                      # LSE and DELTA: (BH, lse_rows)
         e_off = bh.to(tl.int64) * (NR * BM * BM)                  # E: (BH, NR*BM, BM)
 
@@ -486,7 +486,7 @@ if triton is not None:
                 if DS_MODE == 2:
                     ds = tl.load(DS + ds_slot + rows_a[:, None] * BN + offs_n[None, :], cache_modifier=".cg")
                 else:
-                    do_a = _load_tile(DO + g_ptr, mask_a, IN_BOUNDS).to(DT)
+                    do_a = _load_tile(DO + ptr_a, mask_a, IN_BOUNDS).to(DT)
                     lse_a = tl.load(LSE + lse_off + rows_a)
                     delta_a = tl.load(DELTA + lse_off + rows_a)
                     # Recompute the scores of the tile (eqs 22/24, 19) from U_c as of the start of row block a.
@@ -561,7 +561,7 @@ if triton is not None:
                     du += tl.dot(tl.trans(ds), qc_a, input_precision=PREC)
             a += step
 
-        gc_ptr = g_off + rows_c[:, None] * HEAD_DIM + offs_d[None, :]
+        gc_ptr = off + rows_c[:, None] * stride_l + offs_d[None, :]   # gradients: the inputs' strides
         if CAUSAL_GRADS:
             if CAUSAL_KEYS:
                 tl.store(DKC + gc_ptr, (dkc * scale).to(DKC.dtype.element_ty), mask=mask_c)
@@ -630,15 +630,15 @@ if triton is not None:
                          stride_h, stride_l, H, L, NR, scale, HEAD_DIM, BM, BLOCK_D, DT, PREC, SIGMA_PRE)
 
     @triton.jit
-    def _castle_delta_kernel(DO, OUT, DELTA, L, rows_out, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _castle_delta_kernel(DO, OUT, DELTA, stride_b, stride_h, stride_l, H, L, rows_out, HEAD_DIM: tl.constexpr,
+                             BLOCK_D: tl.constexpr, BLOCK: tl.constexpr):
         """Delta = rowsum(dO * O) in fp32 (Algorithm 3) for BLOCK rows of head program_id(0); rows L .. rows_out
-        (the padding of LSE's layout) get 0. dO and O: contiguous (B, H, L, D)."""
+        (the padding of LSE's layout) get 0. dO and O: the inputs' strides."""
         bh = tl.program_id(0).to(tl.int64)
         rows = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         offs_d = tl.arange(0, BLOCK_D)
         mask = (rows[:, None] < L) & (offs_d[None, :] < HEAD_DIM)
-        ptr = bh * L * HEAD_DIM + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        ptr = (bh // H) * stride_b + (bh % H) * stride_h + rows[:, None] * stride_l + offs_d[None, :]
         do = tl.load(DO + ptr, mask=mask, other=0.0).to(tl.float32)
         out = tl.load(OUT + ptr, mask=mask, other=0.0).to(tl.float32)
         tl.store(DELTA + bh * rows_out + rows, tl.sum(do * out, 1), mask=rows < rows_out)
@@ -669,14 +669,14 @@ if triton is not None:
         dqc = (dqc + tl.dot(e, vu_a, input_precision=PREC)) * scale
         dvu = tl.load(DVU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
         dvu = (dvu + tl.dot(tl.trans(e), qc_a, input_precision=PREC)) * scale
-        tl.store(DQC_OUT + g_ptr, dqc.to(DQC_OUT.dtype.element_ty), mask=mask_a)
-        tl.store(DVU_OUT + g_ptr, dvu.to(DVU_OUT.dtype.element_ty), mask=mask_a)
+        tl.store(DQC_OUT + ptr_a, dqc.to(DQC_OUT.dtype.element_ty), mask=mask_a)
+        tl.store(DVU_OUT + ptr_a, dvu.to(DVU_OUT.dtype.element_ty), mask=mask_a)
         dku = tl.load(DKU + g_ptr, mask=mask_a, other=0.0, cache_modifier=".cg")
         if SIGMA_PRE:
             dku *= 2.0 * scale
         else:
             dku *= scale * scale
-        tl.store(DKU_OUT + g_ptr, dku.to(DKU_OUT.dtype.element_ty), mask=mask_a)
+        tl.store(DKU_OUT + ptr_a, dku.to(DKU_OUT.dtype.element_ty), mask=mask_a)
 
 
 def dot_dtype(dtype):
@@ -687,18 +687,25 @@ def dot_dtype(dtype):
     return {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}[dtype]
 
 
-def _same_strides(xs):
-    """The kernels take one set of (batch, head, position) strides and unit-stride head dims."""
-    if any(t.stride() != xs[0].stride() for t in xs) or xs[0].stride(-1) != 1:
-        xs = [t.contiguous() for t in xs]
-    return xs
+def same_layout(xs):
+    """The (B, H, L, D) inputs as the kernels take them. One set of (batch, head, position) strides serves
+    the six inputs, out, dO and the six gradients, which are allocated like qc (empty_like): so the inputs
+    must share strides and be dense, either (B, H, L, D) storage or (B, L, H, D) storage, the layout of a
+    model's heads (the model's transposes are then views, not copies). Inputs that are not (views of a fused
+    projection, or mixed layouts) are copied into (B, L, H, D) storage. None (no causal keys) stays None."""
+    first = xs[0]
+    dense = first.is_contiguous() or first.transpose(1, 2).is_contiguous()
+    if dense and all(t is None or t.stride() == first.stride() for t in xs):
+        return xs
+    return [None if t is None else t.transpose(1, 2).contiguous().transpose(1, 2) for t in xs]
 
 
 def forward_buffers(qc, cfg):
-    """Empty out (B, H, L, D), lse (BH, NR*m) fp32 and u (BH, NR*m, block_d) fp32 of the forward."""
+    """Empty out (like qc, which same_layout laid out), lse (BH, NR*m) fp32 and u (BH, NR*m, block_d) fp32
+    of the forward."""
     B, H, L, D = qc.shape
     rows = triton.cdiv(L, cfg.m_fwd) * cfg.m_fwd
-    return (qc.new_empty(B, H, L, D), qc.new_empty(B * H, rows, dtype=torch.float32),
+    return (torch.empty_like(qc), qc.new_empty(B * H, rows, dtype=torch.float32),
             qc.new_empty(B * H, rows, padded_head_dim(D), dtype=torch.float32))
 
 
@@ -740,7 +747,8 @@ def triton_forward(qc, kc, vc, qu, ku, vu, window, scale, cfg, save_t, silu=True
     """-> out (B, H, L, D), lse (BH, NR*m) in log2 units, u (BH, NR*m, block_d) fp32 = U^{save_t}.
     kc None: no causal keys."""
     causal_keys = kc is not None
-    qc, kc, vc, qu, ku, vu = _same_strides([qc, kc if causal_keys else qc, vc, qu, ku, vu])
+    qc, kc, vc, qu, ku, vu = same_layout([qc, kc, vc, qu, ku, vu])
+    kc = kc if causal_keys else qc                                  # a pointer the kernels never read
     B, H, L, D = qc.shape
     block_d = padded_head_dim(D)
     nr = triton.cdiv(L, cfg.m_fwd)
@@ -809,13 +817,16 @@ def triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg,
     """u: the U the forward saved for the backward; None for "stored", which rebuilds it. kc None (no
     causal keys): dkc is None."""
     causal_keys = kc is not None
-    qc, kc, vc, qu, ku, vu = _same_strides([qc, kc if causal_keys else qc, vc, qu, ku, vu])
+    qc, kc, vc, qu, ku, vu = same_layout([qc, kc, vc, qu, ku, vu])
+    kc = kc if causal_keys else qc                                  # a pointer the kernels never read
     B, H, L, D = qc.shape
     block_d = padded_head_dim(D)
     nr, nc = triton.cdiv(L, cfg.m_bwd), triton.cdiv(L, cfg.n_bwd)
-    do = do.contiguous()
+    if do.stride() != qc.stride():
+        do = torch.empty_like(qc).copy_(do)
     delta = torch.empty_like(lse)                                                   # Algorithm 3, Delta
-    _castle_delta_kernel[(B * H, triton.cdiv(lse.shape[1], 64))](do, out, delta, L, lse.shape[1], HEAD_DIM=D,
+    _castle_delta_kernel[(B * H, triton.cdiv(lse.shape[1], 64))](do, out, delta, *qc.stride()[:3], H, L,
+                                                                  lse.shape[1], HEAD_DIM=D,
                                                                   BLOCK_D=block_d, BLOCK=64)
     # The fp32 sums of the row gradients and E per row block, zeroed by one fill
     n_rows, n_e = B * H * L * D, B * H * nr * cfg.m_bwd * cfg.m_bwd
@@ -824,7 +835,7 @@ def triton_backward(do, qc, kc, vc, qu, ku, vu, out, lse, u, window, scale, cfg,
     e = sums[3 * n_rows:].view(B * H, nr * cfg.m_bwd, cfg.m_bwd)
     # the six gradients in the input dtype: the key-block ones written by their one owner each, the row ones
     # finished from the sums
-    dkc, dvc, dqu, *outs = (torch.empty(B, H, L, D, dtype=qc.dtype, device=qc.device) for _ in range(6))
+    dkc, dvc, dqu, *outs = (torch.empty_like(qc) for _ in range(6))
     dt = dot_dtype(qc.dtype)
     strips, ds = 0, None
     if cfg.bwd_variant == "stored":
