@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU checks and measurements, one stage per device call (each fits the 10-minute limit);
 # logs land in $OUT (or ./gpu_logs).
-#   bash scripts/gpu_session.sh tests                # the GPU-marked tests of the CASTLE kernels and the whole model
+#   bash scripts/gpu_session.sh tests                # the GPU-marked tests of the CASTLE kernels and the whole model,
+#                                                    # then compute-sanitizer's memcheck of the CASTLE kernels
 #   bash scripts/gpu_session.sh tests2               # the other GPU-marked tests: FoX/SWA kernels, fused, recurrent, tree
 #   bash scripts/gpu_session.sh train --models A B   # whole-model throughput / MFU / memory (scripts.bench_train arguments)
 #   bash scripts/gpu_session.sh fused                # Baseline-S, fused kernels off / on (default; loss chunks of 8192 and 4096 tokens) vs plain PyTorch
@@ -68,7 +69,10 @@ case "${1:-tests}" in
            for name in "${names[@]}"; do echo "== $name"; tail -n 12 "$OUT/$name.txt"; done
            tar czf "$OUT/logs.tgz" -C "$OUT" "${names[@]}" "${names[@]/%/.txt}" ;;
   tests)   python -m pytest -m gpu -q -rs tests/test_gpu_model.py tests/test_castle_kernels.py tests/test_castle_decode.py 2>&1 \
-             | tee "$OUT/pytest_gpu.log" | tail -8 ;;
+             | tee "$OUT/pytest_gpu.log" | tail -8
+           "$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)" --tool memcheck \
+             --error-exitcode 1 python -m scripts.sanitize_castle 2>&1 \
+             | tee "$OUT/sanitize_castle.log" | tail -4 ;;
   tests2)  python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_swa.py tests/test_recurrent.py \
              tests/test_tree.py tests/test_sharded_decode.py tests/test_fp8.py 2>&1 | tee "$OUT/pytest_gpu2.log" | tail -8
            python -m pytest -q -rs tests/test_fused.py 2>&1 | tee "$OUT/pytest_fused.log" | tail -4 ;;
