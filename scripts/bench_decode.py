@@ -43,7 +43,7 @@ from model.gpt import GPT
 from model.hf.convert import export_hf, read_hf_model, write_imported_run
 from model.runtime import choose_device, choose_dtype
 from scripts.bench_sharded_decode import cache_bytes
-from scripts.bench_train import model_config
+from scripts.bench_train import kernel_summary, model_config
 
 SKIPPED_STEPS = 3   # GraphedDecodeStep's two eager warm-up steps and its capture; transformers compiles here
 PROFILED_STEPS = 8  # --profile: steps traced after the skipped ones
@@ -170,9 +170,7 @@ def time_ours(model, prompt, n, cuda_graph, prefill_chunk):
 
 
 def profile_ours(model, prompt, n, cuda_graph, prefill_chunk):
-    """The GPU kernels of PROFILED_STEPS decode steps after the skipped ones: a line with the kernels per step,
-    their summed time per step, and the TOP_KERNELS costliest (launches and ms per step)."""
-    from torch.autograd import DeviceType
+    """The GPU kernels of PROFILED_STEPS decode steps after the skipped ones (bench_train.kernel_summary)."""
     from torch.profiler import ProfilerActivity, profile
     stream = model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
     for _ in range(SKIPPED_STEPS + 1):
@@ -183,18 +181,7 @@ def profile_ours(model, prompt, n, cuda_graph, prefill_chunk):
             next(stream)
         synchronize(prompt.device)
     stream.close()
-    by_name = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            launches, us = by_name.get(e.name, (0, 0.0))
-            by_name[e.name] = (launches + 1, us + e.time_range.elapsed_us())
-    total_launches = sum(c for c, _ in by_name.values())
-    total_ms = sum(us for _, us in by_name.values()) / 1e3
-    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
-    lines = [f"{total_launches / PROFILED_STEPS:.0f} kernels per step, {total_ms / PROFILED_STEPS:.3f} ms of "
-             f"kernel time per step; costliest (launches per step, ms per step):"]
-    lines += [f"  {c / PROFILED_STEPS:5.1f}  {us / 1e3 / PROFILED_STEPS:7.4f}  {name[:100]}" for name, (c, us) in top]
-    return "\n".join(lines)
+    return kernel_summary(prof, PROFILED_STEPS, TOP_KERNELS)
 
 
 def time_hf(hf_model, prompt, n, cache_implementation):

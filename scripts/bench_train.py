@@ -220,19 +220,37 @@ def variants(args):
     return [(name, fused_overrides(spec), label(name, spec)) for name in args.models for spec in args.fused]
 
 
+def kernel_summary(prof, steps, top):
+    """The GPU kernels of a profile of `steps` steps: a line with the kernels per step and their summed time per
+    step, then the `top` costliest (launches per step, ms per step, share of the kernel time, name)."""
+    from torch.autograd import DeviceType
+    by_name = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            launches, us = by_name.get(e.name, (0, 0.0))
+            by_name[e.name] = (launches + 1, us + e.time_range.elapsed_us())
+    total_us = sum(us for _, us in by_name.values()) or 1.0
+    lines = [f"{sum(c for c, _ in by_name.values()) / steps:.0f} kernels per step, {total_us / 1e3 / steps:.3f} ms "
+             f"of kernel time per step; costliest (launches per step, ms per step, share):"]
+    lines += [f"  {c / steps:6.1f}  {us / 1e3 / steps:8.4f}  {100 * us / total_us:5.1f}%  {name[:100]}"
+              for name, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]]
+    return "\n".join(lines)
+
+
 def print_profile(bench, rows, device):
-    """Where one step's time goes: the top kernels (GPU; ops on CPU) over two profiled steps, and
+    """Where one step's time goes: the costliest kernels (GPU; ops on CPU) over two profiled steps, and
     the graph breaks torch.compile took (each one splits the model into separately compiled pieces)."""
     from torch.profiler import ProfilerActivity, profile
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         for _ in range(2):
             bench["step"]()
         if cuda:
             torch.cuda.synchronize()
-    print(f"\n== {bench['name']}: graph breaks {bench['graph_breaks']}, top kernels of 2 steps")
-    print(prof.key_averages().table(sort_by="device_time_total" if cuda else "self_cpu_time_total",
-                                    row_limit=rows, max_name_column_width=70), flush=True)
+    print(f"\n== {bench['name']}: graph breaks {bench['graph_breaks']}")
+    print(kernel_summary(prof, 2, rows) if cuda else
+          prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
+          flush=True)
 
 
 def run_one_by_one(args, device, plain):
