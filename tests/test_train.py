@@ -150,7 +150,7 @@ def test_training_benchmark_script_runs():
                                           "--profile", "3", "--sdpa-backend", "math"])
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| tiny") or line.startswith("| castle")]
     assert len(rows) == 2 and "160.7M" in rows[1]
-    assert proc.stdout.count("graph breaks 0, top kernels") == 2 and "aten::mm" in proc.stdout
+    assert proc.stdout.count("graph breaks 0, CPU ops of 2 steps") == 2 and "aten::mm" in proc.stdout
 
 
 def test_training_benchmark_rounds():
