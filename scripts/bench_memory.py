@@ -220,7 +220,8 @@ def main():
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode, e.g. max-autotune-no-cudagraphs")
     p.add_argument("--peak-flops", type=float, default=989e12)
-    p.add_argument("--sdpa-backend", default="auto", help="backend SDPA tries first: auto, cudnn, flash, ...; fa4: FlashAttention-4 (kernels/fa4.py)")
+    p.add_argument("--sdpa-backend", default="auto",
+                   help="backend SDPA tries first: auto, cudnn, flash, ...; fa4: FlashAttention-4 (kernels/fa4.py)")
     args = p.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:      # the memory cap needs an explicit index

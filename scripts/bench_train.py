@@ -247,7 +247,8 @@ def print_profile(bench, rows, device):
             bench["step"]()
         if cuda:
             torch.cuda.synchronize()
-    print(f"\n== {bench['name']}: graph breaks {bench['graph_breaks']}, {'kernels' if cuda else 'CPU ops'} of 2 steps")
+    listed = "kernels" if cuda else "CPU ops"
+    print(f"\n== {bench['name']}: graph breaks {bench['graph_breaks']}, {listed} of 2 steps")
     print(kernel_summary(prof, 2, rows) if cuda else
           prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70),
           flush=True)

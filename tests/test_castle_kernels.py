@@ -510,20 +510,18 @@ def test_triton_layouts(layout):
 
     ref, gref = run([v.transpose(1, 2).contiguous() for v in values], go.transpose(1, 2).contiguous())
     heads_inner = [v.transpose(1, 2) for v in values]          # (B, L, H, D) storage
-    fused = values.permute(1, 2, 0, 3, 4).contiguous()         # (B, L, 6, H, D): one projection's output
     if layout == "heads_inner":
-        xs = heads_inner
-    else:
-        leaf = fused.requires_grad_()
-        views = leaf.permute(2, 0, 3, 1, 4).unbind(0)
-        xs = views if layout == "fused_projection" else [*heads_inner[:2], *views[2:]]
-        out = attn_triton(*xs, 3, D ** -0.5, cfg)
-        (g,) = torch.autograd.grad(out, leaf, go.transpose(1, 2))
-        assert torch.equal(out, ref) and torch.equal(g.permute(2, 0, 3, 1, 4)[2:], torch.stack(gref[2:]))
-    out, g = run(xs, go.transpose(1, 2))
-    assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref))
-    if layout == "heads_inner":
+        out, g = run(heads_inner, go.transpose(1, 2))
+        assert torch.equal(out, ref) and all(torch.equal(a, b) for a, b in zip(g, gref))
         assert out.transpose(1, 2).is_contiguous() and all(t.transpose(1, 2).is_contiguous() for t in g)
+        return
+    fused = values.permute(1, 2, 0, 3, 4).contiguous().requires_grad_()   # (B, L, 6, H, D): one projection
+    views = fused.permute(2, 0, 3, 1, 4).unbind(0)
+    xs = views if layout == "fused_projection" else [*heads_inner[:2], *views[2:]]   # mixed: RoPE'd q^C, k^C
+    out = attn_triton(*xs, 3, D ** -0.5, cfg)
+    (g,) = torch.autograd.grad(out, fused, go.transpose(1, 2))
+    first = 0 if layout == "fused_projection" else 2            # the views' gradients reach the projection
+    assert torch.equal(out, ref) and torch.equal(g.permute(2, 0, 3, 1, 4)[first:], torch.stack(gref[first:]))
 
 
 @pytest.mark.parametrize("window", [None, 3, 20])
