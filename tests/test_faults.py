@@ -52,6 +52,26 @@ def wait_for(condition, proc, timeout=300):
         time.sleep(0.05)
 
 
+def stop_mid_write(proc, out):
+    """Stop train.py (SIGSTOP) while a checkpoint's .tmp file exists, so that a kill lands mid-write. Seeing the
+    file and stopping the process race with the write's rename: when the write won, let the run go on to the next
+    checkpoint (ckpt_interval=1) and try again. Linux: the stop is confirmed in /proc before the files are read."""
+    has_tmp = lambda: any(n.endswith(".pt.tmp") for n in os.listdir(out))  # noqa: E731
+    while True:
+        wait_for(has_tmp, proc)
+        proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(proc.pid) == "T", proc)
+        if has_tmp():
+            return
+        proc.send_signal(signal.SIGCONT)
+
+
+def process_state(pid):
+    """R (running), S (sleeping), T (stopped), ...: the field after the command name in /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def assert_intact(out):
     """No temp file or lock left behind, every checkpoint complete."""
     names = os.listdir(out)
@@ -99,7 +119,7 @@ def test_kill_9_then_resume_loses_nothing(tmp_path, reference, seed):
     proc = start(tmp_path, "train.ckpt_interval=1")
     wait_for(lambda: logged_steps(tmp_path), proc)
     if seed == "mid-write":
-        wait_for(lambda: any(n.endswith(".pt.tmp") for n in os.listdir(tmp_path)), proc)
+        stop_mid_write(proc, tmp_path)
     else:
         time.sleep(random.Random(seed).uniform(0, 1.5))
     proc.kill()
