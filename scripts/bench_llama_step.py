@@ -1,0 +1,98 @@
+"""Times the single-launch LLaMA decode step (kernels/llama_step) alone, replayed in a CUDA graph, against the
+memory-bandwidth bound, with its grid barriers alone next to it (the floor the phases' barriers set).
+
+    python -m scripts.bench_llama_step --ctx 4096 32768 --bandwidth-gbs 4800
+    python -m scripts.bench_llama_step --ctx 4096 --variants "" programs=264 "stages=4 num_warps=8"
+
+Random bf16 weights at the Transformer (LLaMA) 360M shapes (24 layers, d 1024, 16 heads of 64, F 2816, vocabulary
+50304), batch 1, the cache filled to ctx rows. A variant is decode_step_triton keyword arguments (space-separated
+KEY=VALUE, Python literals); "" is the defaults. The bound reads every weight and the whole cache once.
+"""
+import argparse
+import ast
+
+import torch
+
+from kernels.llama_step import LlamaStepWeights
+from kernels.llama_step.triton import _grid_sync, decode_step_triton, tl, triton
+from model.gpt import rope_tables
+
+SHAPE = dict(L=24, d=1024, H=16, D=64, F=2816, V=50304)
+
+
+@triton.jit
+def _barriers_kernel(BAR, N):
+    """N grid barriers and nothing else."""
+    for i in range(N):
+        _grid_sync(BAR, (i + 1) * tl.num_programs(0))
+
+
+def random_weights(L, d, H, D, F, V, cap, device, dtype=torch.bfloat16):
+    def r(*shape, center=0.0):
+        return (center + 0.02 * torch.randn(*shape, device=device)).to(dtype)
+    cos, sin = rope_tables(D, cap, 10000.0, device)
+    return LlamaStepWeights.pack([r(3 * H * D, d) for _ in range(L)], [r(d, H * D) for _ in range(L)],
+                                 [r(F, d) for _ in range(L)], [r(F, d) for _ in range(L)], [r(d, F) for _ in range(L)],
+                                 [r(d, center=1) for _ in range(L)], [r(d, center=1) for _ in range(L)],
+                                 r(d, center=1), r(V, d), cos, sin, D)
+
+
+def replay_ms(fn, reps=50):
+    """Median ms of one replay of fn captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(5):
+        graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def parse_variant(text):
+    return {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split())}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="cache rows filled")
+    p.add_argument("--variants", nargs="+", default=[""], help="decode_step_triton keyword sets, e.g. stages=4")
+    p.add_argument("--bandwidth-gbs", type=float, default=3350, help="HBM bandwidth of the bound, GB/s")
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_llama_step times a CUDA kernel: no GPU here")
+    dev = torch.device("cuda")
+    s = SHAPE
+    programs = torch.cuda.get_device_properties(dev).multi_processor_count
+    phases = 5 * s["L"]
+    print(f"{torch.cuda.get_device_name(dev)}, {programs} programs, {phases + 1} phases")
+    bar = torch.zeros(1, device=dev, dtype=torch.int32)
+    ms = replay_ms(lambda: (bar.zero_(), _barriers_kernel[(programs,)](bar, phases, launch_cooperative_grid=True)))
+    print(f"{phases} grid barriers alone: {ms:.3f} ms ({1000 * ms / phases:.2f} us each)")
+    for ctx in args.ctx:
+        w = random_weights(s["L"], s["d"], s["H"], s["D"], s["F"], s["V"], ctx, dev)
+        k = torch.randn(s["L"], 1, s["H"], ctx, s["D"], device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        x = torch.randn(1, s["d"], device=dev, dtype=torch.bfloat16)   # the launcher copies it to fp32
+        position = torch.tensor([ctx - 1], device=dev)
+        matrices = (w.wqkv, w.wo, w.wgu, w.wd, w.head)
+        nbytes = sum(t.numel() * t.element_size() for t in (*matrices, k, v))
+        bound = nbytes / args.bandwidth_gbs / 1e6
+        print(f"ctx {ctx}: bound {bound:.3f} ms ({nbytes / 1e9:.2f} GB at {args.bandwidth_gbs:.0f} GB/s)")
+        for text in args.variants:
+            kw = parse_variant(text)
+            ms = replay_ms(lambda: decode_step_triton(x, position, w, k, v, 1e-5, **kw))
+            print(f"  {text or 'defaults':28s} {ms:.3f} ms ({ms / bound:.2f}x the bound)")
+        del w, k, v
+
+
+if __name__ == "__main__":
+    main()
