@@ -36,7 +36,7 @@
 # `pip download --no-deps -d .whl flash-linear-attention==0.6.0 einops` (the recurrent layers),
 # `pip install --no-deps --target .whl/liger liger-kernel==0.8.5`, `pip download --no-deps -d .whl torchao==0.18.0`
 # (stage fp8), zarr's wheels for python 3.12 (`pip download --no-deps --only-binary=:all: --python-version 3.12
-# --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl zarr numcodecs donfig google-crc32c`:
+# --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 -d .whl zarr numcodecs donfig google-crc32c msgspec`:
 # data/loader.py imports zarr) and `cp ../shared/bench/plain_llama_step.py .whl/` (stage fused); .gpu_data/text with
 # `python -m data.prepare_text --source ../shared/data/text/wikipedia_en_wikiextractor --out .gpu_data/text`,
 # its train shard compressed to fit the 64 MiB carry (`xz -T2 .gpu_data/text/train_000000.bin`; unpacked here).
