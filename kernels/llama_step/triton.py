@@ -11,8 +11,10 @@ phase's work. Five phases per layer, then the head:
   head:    the final RMSNorm and its rows of the logits
 A grid-wide barrier separates the phases (each reads what all programs wrote in the one before). The loops
 over row chunks and key tiles are software-pipelined (`stages` chunks in flight through shared memory), so
-a program keeps loads in flight instead of waiting on each chunk. Every normalising product is computed in
-fp32 from the weights' dtype; the stream stays fp32 across layers.
+a program keeps loads in flight instead of waiting on each chunk, and no reduction inside them crosses warps
+(a cross-warp reduction is a round trip through shared memory and a CTA barrier): each warp owns whole rows
+of a weight chunk, and attention keeps a running softmax per group of keys. Every normalising product is
+computed in fp32 from the weights' dtype; the stream stays fp32 across layers.
 
 Memory order: a barrier is bar.sync, then one release atomic per program, a spin on an acquire load, and
 bar.sync; everything one program wrote before it is visible to all after it. Data written within the
@@ -29,6 +31,7 @@ STAGES = 5          # phases per layer
 ROWS = 8            # rows of a matrix per chunk at most (the GEMV's output features)
 TILE_BYTES = 16384  # bytes of weights per chunk at most
 BLOCK_T = 128       # keys per attention tile at most (64: 17% slower at 32K, 2% at 4K)
+GROUP = 4           # keys per running softmax within a tile (the groups of a tile merge after the item)
 
 
 if triton is not None:
@@ -48,12 +51,17 @@ if triton is not None:
         return p * n // P, (p + 1) * n // P
 
     @triton.jit
-    def _dot(W, K, rows, rmask, A, a_stride, B, BP2: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr,
-             KP: tl.constexpr):
-        """acc (BP2, CH) fp32: acc[b, r] = sum_k W[rows[r], k] A[b, k], W row-major with rows of K <= KP. The
-        K loop is unrolled (no inner loop), so the caller's loop over row chunks can be software-pipelined."""
+    def _dot(W, K, rows, rmask, A, a_stride, B, G, eps, BP2: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr,
+             KP: tl.constexpr, NORMED: tl.constexpr):
+        """acc (BP2, CH) fp32: acc[b, r] = sum_k W[rows[r], k] A[b, k], W row-major with rows of K <= KP; NORMED:
+        of rms_norm(A[b]) * G instead, as rsqrt(mean(A[b]^2) + eps) * sum_k W[rows[r], k] A[b, k] G[k], so the
+        norm needs no pass of its own before the chunk's loads. The K loop is unrolled (no inner loop), so the
+        caller's loop over row chunks can be software-pipelined. Each thread sums its products over all of K
+        and reduces once at the end: a piece of KB columns is one warp's width (launch_constants), so the warps
+        split the rows and the reductions stay inside a warp (every warp holds all of A, so each sums A^2)."""
         bs = tl.arange(0, BP2)
-        acc = tl.zeros([BP2, CH], dtype=tl.float32)
+        part = tl.zeros([BP2, CH, KB], dtype=tl.float32)
+        squares = tl.zeros([BP2, CH, KB], dtype=tl.float32)
         for k0 in tl.static_range(0, KP, KB):
             ks = k0 + tl.arange(0, KB)
             km = ks < K
@@ -61,20 +69,14 @@ if triton is not None:
                         other=0.0)
             a = tl.load(A + bs[:, None] * a_stride + ks[None, :], mask=(bs[:, None] < B) & km[None, :],
                         other=0.0, cache_modifier=".cg")
-            acc += tl.sum(w.to(tl.float32)[None, :, :] * a[:, None, :], axis=2)
+            if NORMED:
+                squares += a[:, None, :] * a[:, None, :]
+                a = a * tl.load(G + ks, mask=km, other=0.0).to(tl.float32)[None, :]
+            part += w.to(tl.float32)[None, :, :] * a[:, None, :]
+        acc = tl.sum(part, axis=2)
+        if NORMED:
+            acc = acc * tl.rsqrt(tl.sum(squares, axis=2) / K + eps)
         return acc
-
-    @triton.jit
-    def _norm_rows(X, G, XNp, B, d, eps, BP2: tl.constexpr, DP: tl.constexpr):
-        """This program's scratch XNp[b, :d] = rms_norm(X[b]) * G, fp32 (rows of DP)."""
-        bs = tl.arange(0, BP2)
-        ks = tl.arange(0, DP)
-        m = (bs[:, None] < B) & (ks[None, :] < d)
-        x = tl.load(X + bs[:, None] * d + ks[None, :], mask=m, other=0.0, cache_modifier=".cg")
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / d + eps)
-        g = tl.load(G + ks, mask=ks < d, other=0.0).to(tl.float32)
-        tl.store(XNp + bs[:, None] * DP + ks[None, :], x * rstd[:, None] * g[None, :], mask=m)
-        tl.debug_barrier()
 
     @triton.jit
     def _add_rows(X, acc, rows, rmask, B, d, BP2: tl.constexpr):
@@ -85,17 +87,16 @@ if triton is not None:
         tl.store(X + off, tl.load(X + off, mask=m, other=0.0, cache_modifier=".cg") + acc, mask=m)
 
     @triton.jit
-    def _qkv_phase(X, XNp, W, G, Q, KC, VC, COS, SIN, layer, pos, B, d, H, CAP, eps, P,
+    def _qkv_phase(X, W, G, Q, KC, VC, COS, SIN, layer, pos, B, d, H, CAP, eps, P,
                    D: tl.constexpr, BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr, KB: tl.constexpr,
                    NS: tl.constexpr):
         DH: tl.constexpr = D // 2
         UC: tl.constexpr = CH // 2
-        _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
         u0, u1 = _share(3 * H * DH, P)        # units: the row pair (i, i + D/2) of a head, rows 2u and 2u + 1
         bs = tl.arange(0, BP2)
         for c in tl.range(u0, u1, UC, num_stages=NS):
             rows = 2 * c + tl.arange(0, CH)
-            acc = _dot(W, d, rows, rows < 2 * u1, XNp, DP, B, BP2, CH, KB, DP)
+            acc = _dot(W, d, rows, rows < 2 * u1, X, d, B, G, eps, BP2, CH, KB, DP, True)
             lo, hi = tl.split(tl.reshape(acc, [BP2, UC, 2]))
             units = c + tl.arange(0, UC)
             live = (units < u1)[None, :] & (bs[:, None] < B)
@@ -124,31 +125,42 @@ if triton is not None:
 
     @triton.jit
     def _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, SPLIT, qk_scale, P,
-                    D: tl.constexpr, SP2: tl.constexpr, BLOCK_T: tl.constexpr, NS: tl.constexpr):
+                    D: tl.constexpr, SP2: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+                    NS: tl.constexpr):
         """Split-KV attention: each item (b, h, split) leaves its partial (unnormalised output, base-2 max, sum);
-        the program that completes the last split of a (b, h) merges them all into ATT (b, h D + j)."""
+        the program that completes the last split of a (b, h) merges them all into ATT (b, h D + j). Within an
+        item every group of GROUP keys of a tile keeps its own running max, sum and output, and the groups merge
+        once after the last tile: a tile's reductions then stay inside a warp (a tile-wide max and sum cost two
+        cross-warp reductions per tile). A group can see only masked keys, so its max may be -inf: m_safe."""
         dd = tl.arange(0, D)
         i0, i1 = _share(B * H * S, P)
         for it in range(i0, i1):
             bh, t0, t1 = _split_range(it, S, SPLIT, pos)
             q = tl.load(Q + bh * D + dd, cache_modifier=".cg") * qk_scale
             base = (layer * B * H + bh).to(tl.int64) * CAP
-            m = tl.max(tl.full([BLOCK_T], float("-inf"), tl.float32), axis=0)
-            den = tl.sum(tl.zeros([BLOCK_T], tl.float32), axis=0)
-            acc = tl.zeros([D], tl.float32)
+            NG: tl.constexpr = BLOCK_T // GROUP
+            keys = tl.arange(0, NG)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]   # (group, key in group)
+            mg = tl.full([NG], float("-inf"), tl.float32)
+            dg = tl.zeros([NG], tl.float32)
+            ag = tl.zeros([NG, D], tl.float32)
             for t in tl.range(t0, t1, BLOCK_T, num_stages=NS):
-                ts = t + tl.arange(0, BLOCK_T)
+                ts = t + keys
                 tm = ts < t1
-                off = (base + ts[:, None]) * D + dd[None, :]
-                k = tl.load(KC + off, mask=tm[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-                v = tl.load(VC + off, mask=tm[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-                sc = tl.where(tm, tl.sum(k * q[None, :], axis=1), float("-inf"))
-                m_new = tl.maximum(m, tl.max(sc, axis=0))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(sc - m_new)
-                den = den * alpha + tl.sum(p, axis=0)
-                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-                m = m_new
+                off = (base + ts[:, :, None]) * D + dd[None, None, :]
+                k = tl.load(KC + off, mask=tm[:, :, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                v = tl.load(VC + off, mask=tm[:, :, None], other=0.0, cache_modifier=".cg").to(tl.float32)
+                sc = tl.where(tm, tl.sum(k * q[None, None, :], axis=2), float("-inf"))
+                m_new = tl.maximum(mg, tl.max(sc, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                alpha = tl.exp2(mg - m_safe)
+                p = tl.exp2(sc - m_safe[:, None])
+                dg = dg * alpha + tl.sum(p, axis=1)
+                ag = ag * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
+                mg = m_new
+            m = tl.max(mg, axis=0)
+            wg = tl.exp2(mg - tl.where(m == float("-inf"), 0.0, m))
+            den = tl.sum(wg * dg, axis=0)
+            acc = tl.sum(wg[:, None] * ag, axis=0)
             tl.store(PO + it * D + dd, acc)
             tl.store(PM + it, m)
             tl.store(PL + it, den)
@@ -172,35 +184,33 @@ if triton is not None:
         for c in tl.range(r0, r1, CH, num_stages=NS):
             rows = c + tl.arange(0, CH)
             rm = rows < r1
-            _add_rows(X, _dot(W, K, rows, rm, A, a_stride, B, BP2, CH, KB, KP), rows, rm, B, d, BP2)
+            _add_rows(X, _dot(W, K, rows, rm, A, a_stride, B, X, 0.0, BP2, CH, KB, KP, False), rows, rm, B, d, BP2)
 
     @triton.jit
-    def _normed_phase(X, XNp, W, G, OUT, B, d, N, eps, P, BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr,
+    def _normed_phase(X, W, G, OUT, B, d, N, eps, P, BP2: tl.constexpr, DP: tl.constexpr, CH: tl.constexpr,
                       KB: tl.constexpr, NS: tl.constexpr, GATED: tl.constexpr):
         """OUT (B, N) = rms_norm(X) * G times this program's rows of W (N, d); GATED: W is (2 N, d), gate rows
         then up rows, and OUT = silu(gate) * up (the MLP's hidden units). The head is the plain case."""
-        _norm_rows(X, G, XNp, B, d, eps, BP2, DP)
         bs = tl.arange(0, BP2)
         n0, n1 = _share(N, P)
         for c in tl.range(n0, n1, CH, num_stages=NS):
             rows = c + tl.arange(0, CH)
             rm = rows < n1
-            out = _dot(W, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
+            out = _dot(W, d, rows, rm, X, d, B, G, eps, BP2, CH, KB, DP, True)
             if GATED:
-                out = out * tl.sigmoid(out) * _dot(W + N * d, d, rows, rm, XNp, DP, B, BP2, CH, KB, DP)
+                out = out * tl.sigmoid(out) * _dot(W + N * d, d, rows, rm, X, d, B, G, eps, BP2, CH, KB, DP, True)
             tl.store(OUT + bs[:, None] * N + rows[None, :], out, mask=(bs[:, None] < B) & rm[None, :])
 
     @triton.jit
-    def _llama_step_kernel(X, XN, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
+    def _llama_step_kernel(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
                            WQKV, WO, WGU, WD, NORMS, NORM_F, WH, COS, SIN, KC, VC,
                            B, d, H, F, V, CAP, S, SPLIT, L, eps, qk_scale, ph0, ph1,
                            D: tl.constexpr, SP2: tl.constexpr, BP2: tl.constexpr, DP: tl.constexpr,
                            FP: tl.constexpr, HDP: tl.constexpr, CH_D: tl.constexpr, CH_F: tl.constexpr,
-                           CH_HD: tl.constexpr, KB: tl.constexpr, BLOCK_T: tl.constexpr, NS: tl.constexpr,
-                           SYNC: tl.constexpr):
+                           CH_HD: tl.constexpr, KB: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
+                           NS: tl.constexpr, SYNC: tl.constexpr):
         P = tl.num_programs(0)
         pos = tl.load(POS).to(tl.int32)
-        XNp = XN + tl.program_id(0) * BP2 * DP      # this program's scratch: the normed stream
         HD = H * D
         for ph in range(ph0, ph1):
             if SYNC:
@@ -209,30 +219,31 @@ if triton is not None:
             layer = ph // 5                          # STAGES phases per layer
             stage = ph % 5
             if layer == L:
-                _normed_phase(X, XNp, WH, NORM_F, LOGITS, B, d, V, eps, P, BP2, DP, CH_D, KB, NS, False)
+                _normed_phase(X, WH, NORM_F, LOGITS, B, d, V, eps, P, BP2, DP, CH_D, KB, NS, False)
             elif stage == 0:
-                _qkv_phase(X, XNp, WQKV + layer.to(tl.int64) * 3 * HD * d, NORMS + layer * 2 * d, Q, KC, VC,
+                _qkv_phase(X, WQKV + layer.to(tl.int64) * 3 * HD * d, NORMS + layer * 2 * d, Q, KC, VC,
                            COS, SIN, layer, pos, B, d, H, CAP, eps, P, D, BP2, DP, CH_D, KB, NS)
             elif stage == 1:
                 _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, SPLIT, qk_scale, P,
-                            D, SP2, BLOCK_T, NS)
+                            D, SP2, BLOCK_T, GROUP, NS)
             elif stage == 2:
                 _residual_phase(X, ATT, HD, WO + layer.to(tl.int64) * d * HD, HD, B, d, P, BP2, CH_HD, KB, HDP, NS)
             elif stage == 3:
-                _normed_phase(X, XNp, WGU + layer.to(tl.int64) * 2 * F * d, NORMS + (layer * 2 + 1) * d, HID,
+                _normed_phase(X, WGU + layer.to(tl.int64) * 2 * F * d, NORMS + (layer * 2 + 1) * d, HID,
                               B, d, F, eps, P, BP2, DP, CH_D, KB, NS, True)
             else:
                 _residual_phase(X, HID, F, WD + layer.to(tl.int64) * d * F, F, B, d, P, BP2, CH_F, KB, FP, NS)
 
 
-def _chunk_rows(K, element_size):
+def _chunk_rows(K, element_size, warps):
     """Rows per pipelined chunk of a matrix with rows of K: about TILE_BYTES a chunk (the pipeline keeps
-    `stages` of them in shared memory), at least 2 (a RoPE pair)."""
-    rows = max(2, min(ROWS, TILE_BYTES // (triton.next_power_of_2(K) * element_size)))
+    `stages` of them in shared memory), at least one per warp (each warp reduces whole rows; this also keeps
+    a RoPE pair in one chunk)."""
+    rows = max(2, warps, min(ROWS, TILE_BYTES // (triton.next_power_of_2(K) * element_size)))
     return 1 << (rows.bit_length() - 1)          # a power of two
 
 
-def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3):
+def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3, warps=4):
     """The kernel's compile-time constants and its split of the cache (S splits of SPLIT rows per (batch,
     head)) for these sizes: what decode_step_triton launches, and what the tests compile for Hopper to check
     that every supported shape fits its shared memory."""
@@ -244,12 +255,16 @@ def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3):
     S = max(1, min(programs // (B * H), triton.cdiv(CAP, block_t)))
     split = triton.cdiv(triton.cdiv(CAP, S), block_t) * block_t
     S = triton.cdiv(CAP, split)
-    pow2 = triton.next_power_of_2
+    KB = 32 * 16 // element_size   # columns per piece of a weight chunk: a warp's 32 lanes x 16 bytes
+
+    def whole_pieces(n):           # a row of n columns, padded to whole pieces (the masks cover the padding)
+        return triton.cdiv(n, KB) * KB
     return S, split, dict(
-        D=D, SP2=pow2(S), BP2=BP2, DP=pow2(d), FP=pow2(F), HDP=pow2(H * D),
-        CH_D=_chunk_rows(d, element_size), CH_F=_chunk_rows(F, element_size),
-        CH_HD=_chunk_rows(H * D, element_size), KB=max(16, min(pow2(max(d, F, H * D)), 8192 // (BP2 * ROWS))),
-        BLOCK_T=block_t, NS=stages if B == 1 else min(stages, 2))   # more rows: bigger tiles per stage
+        D=D, SP2=triton.next_power_of_2(S), BP2=BP2, DP=whole_pieces(d), FP=whole_pieces(F), HDP=whole_pieces(H * D),
+        CH_D=_chunk_rows(d, element_size, warps), CH_F=_chunk_rows(F, element_size, warps),
+        CH_HD=_chunk_rows(H * D, element_size, warps), KB=KB,
+        BLOCK_T=block_t, GROUP=min(GROUP, block_t),
+        NS=stages if B == 1 else min(stages, 2))   # more rows: bigger tiles per stage
 
 
 def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num_warps=4, stages=3,
@@ -265,10 +280,9 @@ def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num
     on_gpu = x.is_cuda and not interpreting()
     P = programs or (torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 3)
     single_launch = on_gpu if single_launch is None else single_launch
-    S, split, constants = launch_constants(B, d, F, H, D, CAP, w.wqkv.element_size(), P, stages)
+    S, split, constants = launch_constants(B, d, F, H, D, CAP, w.wqkv.element_size(), P, stages, num_warps)
     f32 = dict(device=x.device, dtype=torch.float32)
     X = x.float().contiguous()
-    xn = torch.empty(P, constants["BP2"], constants["DP"], **f32)
     q, att = torch.empty(B, H, D, **f32), torch.empty(B, H, D, **f32)
     po, pm, pl = torch.empty(B * H * S, D, **f32), torch.empty(B * H * S, **f32), torch.empty(B * H * S, **f32)
     hid = torch.empty(B, F, **f32)
@@ -279,7 +293,7 @@ def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num
     extra = dict(launch_cooperative_grid=True) if single_launch else {}
     for ph0, ph1 in spans:
         _llama_step_kernel[(P,)](
-            X, xn, q, po, pm, pl, counters, att, hid, logits, counters[B * H:], position,
+            X, q, po, pm, pl, counters, att, hid, logits, counters[B * H:], position,
             w.wqkv, w.wo, w.wgu, w.wd, w.norms, w.norm_f, w.head, w.cos, w.sin, k_cache, v_cache,
             B, d, H, F, V, CAP, S, split, L, eps, D ** -0.5 * LOG2E.value, ph0, ph1,
             SYNC=single_launch, num_warps=num_warps, **constants, **extra)
