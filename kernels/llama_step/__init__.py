@@ -24,7 +24,7 @@ from kernels.triton_utils import interpreting
 
 # Batch-1 latency is what the launch is for. Each program multiplies its weight chunks by all B rows of the
 # stream at once, and past 4 rows the pipelined tiles outgrow shared memory: larger batches go through the
-# compiled step (GPT.generate(cuda_graph="compiled")), which is faster there anyway.
+# compiled step (GPT.generate(cuda_graph="compiled")).
 MAX_BATCH = 4
 
 
