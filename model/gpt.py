@@ -867,7 +867,8 @@ class GPT(nn.Module):
                 token = torch.where(done, torch.full_like(token, eot_token), token)
                 done |= token == eot_token
             yield token
-            seq = torch.cat([seq, token[:, None]], dim=1)
+            if cache is None:             # uncached steps re-read the whole window; a cache needs only the token
+                seq = torch.cat([seq, token[:, None]], dim=1)
             step_input = token[:, None]
             if eot_token is not None and done.all():
                 return

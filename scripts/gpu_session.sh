@@ -25,6 +25,7 @@
 #                                                    # bf16 vs train.fp8=true, side by side
 #   [XS_MODELS="A B"] bash scripts/gpu_session.sh xs # tokens/s of the compare_XS variants (SET=ablations), one at a time
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
+#   bash scripts/gpu_session.sh decodefused          # the single-launch LLaMA step alone, then every mode at batch 1 and 4
 #   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 #   bash scripts/gpu_session.sh parallel fused "train --models A B"   # one single-GPU stage per GPU from
@@ -161,6 +162,10 @@ case "${1:-tests}" in
              compare_XS:model.attention_window=256 compare_XS:model=castle \
              compare_XS:model=castle,model.castle_causal_keys=false,model.castle_match_heads=false,model.n_head=4 \
              compare_XS:model=castle,model.castle_silu=false hgrn2_XS deltanet_XS} 2>&1 | tee "$OUT/bench_xs.log" | tail -14 ;;
+  decodefused)   # the single-launch LLaMA step: the kernel alone, then against the graphed and compiled steps
+           python -m scripts.bench_llama_step --ctx 4096 32768 --bandwidth-gbs $BW 2>&1 | tee "$OUT/llama_step.log"
+           python -m scripts.bench_decode --batch 1 4 --ctx 4096 32768 --compiled --fused --bandwidth-gbs $BW 2>&1 \
+             | tee "$OUT/decode_fused.log" | grep "|" ;;
   decode)  python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --autotuned --profile --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_profile.log" | tail -40
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
