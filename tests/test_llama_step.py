@@ -56,13 +56,15 @@ def test_pack_qkv_pairs_the_rows_rope_rotates_together():
 
 
 @needs_triton
-@pytest.mark.parametrize("dtype, tol, programs, B", [(torch.float32, 2e-5, 1, 3), (torch.float32, 2e-5, 7, 3),
-                                                    (torch.bfloat16, 2e-2, 3, 3), (torch.float32, 2e-5, 7, 1)])
-def test_kernel_equals_reference(dtype, tol, programs, B):
-    """Odd sizes (d 40, F 50, V 70, 3 heads, batch 3 or 1, capacity 37), the first, a middle and the last
-    position, 1-7 programs (shares of zero and one rows included): logits and the written cache rows match the
-    reference; every row past the position is NaN and never read."""
-    L, H, D, d, F, V, CAP = 2, 3, 16, 40, 50, 70, 37
+@pytest.mark.parametrize("dtype, tol, programs, B, CAP", [
+    (torch.float32, 2e-5, 1, 3, 37), (torch.float32, 2e-5, 7, 3, 37), (torch.bfloat16, 2e-2, 3, 3, 37),
+    (torch.float32, 2e-5, 7, 1, 300)])
+def test_kernel_equals_reference(dtype, tol, programs, B, CAP):
+    """Odd sizes (d 40, F 50, V 70, 3 heads, batch 3 or 1), the first, a middle and the last position, 1-7
+    programs (shares of zero and one rows included): logits and the written cache rows match the reference;
+    every row past the position is NaN and never read. A capacity of 300 splits each head's cache in two
+    (7 programs), so the first two positions leave the second split empty, and the last fills a part of it."""
+    L, H, D, d, F, V = 2, 3, 16, 40, 50, 70
     device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
     w, k, v, x = random_step(L, B, H, D, d, F, V, CAP, dtype, device)
     for pos in (0, 20, CAP - 1):
