@@ -27,16 +27,6 @@ def _barriers_kernel(BAR, N):
         _grid_sync(BAR, (i + 1) * tl.num_programs(0))
 
 
-def random_weights(L, d, H, D, F, V, cap, device, dtype=torch.bfloat16):
-    def r(*shape, center=0.0):
-        return (center + 0.02 * torch.randn(*shape, device=device)).to(dtype)
-    cos, sin = rope_tables(D, cap, 10000.0, device)
-    return LlamaStepWeights.pack([r(3 * H * D, d) for _ in range(L)], [r(d, H * D) for _ in range(L)],
-                                 [r(F, d) for _ in range(L)], [r(F, d) for _ in range(L)], [r(d, F) for _ in range(L)],
-                                 [r(d, center=1) for _ in range(L)], [r(d, center=1) for _ in range(L)],
-                                 r(d, center=1), r(V, d), cos, sin, D)
-
-
 def replay_ms(fn, reps=50):
     """Median ms of one replay of fn captured in a CUDA graph."""
     fn()
@@ -58,7 +48,12 @@ def replay_ms(fn, reps=50):
 
 
 def parse_variant(text):
-    return {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split())}
+    """'stages=4 num_warps=8' -> {'stages': 4, 'num_warps': 8}; a clear error for anything else."""
+    try:
+        return {k: ast.literal_eval(v) for k, v in (item.split("=", 1) for item in text.split())}
+    except (ValueError, SyntaxError):
+        raise SystemExit(f"--variants {text!r}: write space-separated KEY=VALUE pairs with Python literals, "
+                         f"e.g. \"stages=4 num_warps=8\" (\"\" for the defaults)") from None
 
 
 def main():
@@ -67,6 +62,7 @@ def main():
     p.add_argument("--variants", nargs="+", default=[""], help="decode_step_triton keyword sets, e.g. stages=4")
     p.add_argument("--bandwidth-gbs", type=float, default=3350, help="HBM bandwidth of the bound, GB/s")
     args = p.parse_args()
+    variants = [(text, parse_variant(text)) for text in args.variants]   # bad ones refused before any work
     if not torch.cuda.is_available():
         raise SystemExit("bench_llama_step times a CUDA kernel: no GPU here")
     dev = torch.device("cuda")
@@ -78,7 +74,9 @@ def main():
     ms = replay_ms(lambda: (bar.zero_(), _barriers_kernel[(programs,)](bar, phases, launch_cooperative_grid=True)))
     print(f"{phases} grid barriers alone: {ms:.3f} ms ({1000 * ms / phases:.2f} us each)")
     for ctx in args.ctx:
-        w = random_weights(s["L"], s["d"], s["H"], s["D"], s["F"], s["V"], ctx, dev)
+        cos, sin = rope_tables(s["D"], ctx, 10000.0, dev)
+        w = LlamaStepWeights.random(s["L"], s["H"], s["D"], s["d"], s["F"], s["V"], cos, sin, torch.bfloat16,
+                                    torch.Generator(dev).manual_seed(0), scale=0.02)
         k = torch.randn(s["L"], 1, s["H"], ctx, s["D"], device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         x = torch.randn(1, s["d"], device=dev, dtype=torch.bfloat16)   # the launcher copies it to fp32
@@ -87,8 +85,7 @@ def main():
         nbytes = sum(t.numel() * t.element_size() for t in (*matrices, k, v))
         bound = nbytes / args.bandwidth_gbs / 1e6
         print(f"ctx {ctx}: bound {bound:.3f} ms ({nbytes / 1e9:.2f} GB at {args.bandwidth_gbs:.0f} GB/s)")
-        for text in args.variants:
-            kw = parse_variant(text)
+        for text, kw in variants:
             ms = replay_ms(lambda: decode_step_triton(x, position, w, k, v, 1e-5, **kw))
             print(f"  {text or 'defaults':28s} {ms:.3f} ms ({ms / bound:.2f}x the bound)")
         del w, k, v

@@ -28,16 +28,13 @@ def random_step(L, B, H, D, d, F, V, CAP, dtype, device="cpu", seed=0):
     batch 0's first layer, which the position must mask), and token embeddings."""
     g = torch.Generator().manual_seed(seed)
 
-    def r(*shape, scale=0.3, center=0.0):
-        return (center + scale * torch.randn(*shape, generator=g)).to(device=device, dtype=dtype)
+    def r(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
     cos, sin = rope_tables(D, CAP, 10000.0, device)
-    w = LlamaStepWeights.pack([r(3 * H * D, d) for _ in range(L)], [r(d, H * D) for _ in range(L)],
-                              [r(F, d) for _ in range(L)], [r(F, d) for _ in range(L)], [r(d, F) for _ in range(L)],
-                              [r(d, center=1) for _ in range(L)], [r(d, center=1) for _ in range(L)],
-                              r(d, center=1), r(V, d), cos, sin, D)
-    k, v = r(L, B, H, CAP, D, scale=1), r(L, B, H, CAP, D, scale=1)
-    return w, k, v, r(B, d, scale=1)
+    w = LlamaStepWeights.random(L, H, D, d, F, V, cos, sin, dtype, g)
+    k, v = r(L, B, H, CAP, D), r(L, B, H, CAP, D)
+    return w, k, v, r(B, d)
 
 
 def with_nan_past(cache, pos):

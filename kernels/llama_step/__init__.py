@@ -54,6 +54,19 @@ class LlamaStepWeights:
                    norm_f=norm_f, head=head, cos=cos, sin=sin)
 
 
+    @classmethod
+    def random(cls, L, H, D, d, F, V, cos, sin, dtype, generator, scale=0.3):
+        """Random weights of these sizes for tests and benchmarks: matrices ~ N(0, scale^2), norm scales
+        around 1, drawn from `generator` on its device, then moved to cos's device in `dtype`."""
+        def r(*shape, center=0.0):
+            x = center + scale * torch.randn(*shape, generator=generator, device=generator.device)
+            return x.to(device=cos.device, dtype=dtype)
+        return cls.pack([r(3 * H * D, d) for _ in range(L)], [r(d, H * D) for _ in range(L)],
+                        [r(F, d) for _ in range(L)], [r(F, d) for _ in range(L)], [r(d, F) for _ in range(L)],
+                        [r(d, center=1) for _ in range(L)], [r(d, center=1) for _ in range(L)],
+                        r(d, center=1), r(V, d), cos, sin, D)
+
+
 def pack_qkv(w, head_dim):
     """Reorder each head's rows j = i + half * D/2 to 2 i + half: the two rows RoPE rotates together become
     neighbours, so a program that owns a contiguous run of rows owns whole pairs."""
