@@ -31,7 +31,8 @@ from kernels.sdpa import causal_attention, decode_sdpa
 from model.cache import InferenceCache, SoftmaxCache, WindowCache, attend_rows
 from model.recurrent import LAYERS as RECURRENT_LAYERS
 from model.recurrent import RECURRENT_ATTENTIONS, check_widths
-from model.sampling import GraphedDecodeStep, check_sampling_options, fused_step_unsupported, sample_token
+from model.sampling import (GraphedDecodeStep, check_sampling_options, fused_step_unsupported, replay_stream,
+                            sample_token)
 
 
 @dataclass
@@ -832,7 +833,9 @@ class GPT(nn.Module):
         same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
         one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
-        (GraphedDecodeStep); CUDA, one device, with the cache; every attention's caches take its static steps
+        (GraphedDecodeStep) that also samples the next token, and the host launches each step without waiting
+        for the one before (model/sampling.py replay_stream: a consumer that does not read every token on the
+        host, such as `generate`, keeps the GPU busy); CUDA, one device, with the cache; every attention's caches take its static steps
         (model/cache.py InferenceCache.to_static). "compiled": the step is torch.compile'd before it is captured;
         "autotuned": with max-autotune (slower to start, faster per token); "fused": LLaMA blocks only, the whole
         step as one kernel launch (model/sampling.py FusedDecodeStep), logits in fp32.
@@ -847,31 +850,38 @@ class GPT(nn.Module):
         n_tokens = self.config.tokenizer_vocab_size or self.config.vocab_size   # never propose padding ids
         cache = self.new_cache(B, T0 + max_new_tokens, group=group) if use_cache else None
         done = torch.zeros(B, dtype=torch.bool, device=idx.device)
-        seq, step_input = idx, idx
-        graphed = None
-        for _ in range(max_new_tokens):
-            if graphed is not None:
-                logits = graphed(step_input)
-            else:
-                if cache is None:
-                    step_input = seq[:, -self.config.block_size:]
-                chunk = prefill_chunk if cache is not None and prefill_chunk else step_input.size(1)
-                for piece in step_input.split(chunk, dim=1):
-                    logits, _ = self(piece, cache=cache, last_only=True)
-                if cuda_graph:
-                    graphed = GraphedDecodeStep(self, cache, B, compile=None if cuda_graph is True else cuda_graph)
+
+        def choose(logits):
+            """(B, T, V) logits -> (B,) next tokens; updates `done` in place. Reads nothing on the host, so a
+            CUDA graph can capture it."""
             token = sample_token(logits[:, -1, :n_tokens].float(), temperature, top_k, top_p)
             if group is not None and dist.get_world_size(group) > 1:
                 dist.broadcast(token, dist.get_global_rank(group, 0), group=group)
             if eot_token is not None:
-                token = torch.where(done, torch.full_like(token, eot_token), token)
-                done |= token == eot_token
+                token = torch.where(done, eot_token, token)
+                done.logical_or_(token == eot_token)
+            return token
+
+        seq, step_input = idx, idx
+        for i in range(max_new_tokens):
+            if cache is None:
+                step_input = seq[:, -self.config.block_size:]
+            chunk = prefill_chunk if cache is not None and prefill_chunk else step_input.size(1)
+            for piece in step_input.split(chunk, dim=1):
+                logits, _ = self(piece, cache=cache, last_only=True)
+            token = choose(logits)
             yield token
+            if eot_token is not None and done.all():
+                return
+            if cuda_graph and i + 1 < max_new_tokens:
+                graphed = GraphedDecodeStep(self, cache, B, compile=None if cuda_graph is True else cuda_graph,
+                                            choose=choose)
+                graphed.token.copy_(token[:, None])
+                yield from replay_stream(graphed, max_new_tokens - i - 1, done if eot_token is not None else None)
+                return
             if cache is None:             # uncached steps re-read the whole window; a cache needs only the token
                 seq = torch.cat([seq, token[:, None]], dim=1)
             step_input = token[:, None]
-            if eot_token is not None and done.all():
-                return
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, eot_token=None,

@@ -1,5 +1,6 @@
 """Choosing the next token (check_sampling_options, sample_token) and the CUDA-graph decode step
-(GraphedDecodeStep, and FusedDecodeStep, its one-launch form for LLaMA blocks) that GPT.generate_stream uses."""
+(GraphedDecodeStep, replayed by replay_stream, and FusedDecodeStep, its one-launch form for LLaMA blocks) that
+GPT.generate_stream uses."""
 import math
 
 import torch
@@ -27,9 +28,15 @@ class GraphedDecodeStep:
     compile (a key of COMPILE_OPTIONS, or None): the step is torch.compile'd first (Inductor fuses its
     pointwise ops into fewer kernels; the compilation happens in the first warm-up call), and the graph
     captures the compiled kernels; "fused": the step is FusedDecodeStep's single launch.
+
+    choose (logits -> (B,) tokens, or None): the step also picks the next token and writes it into its own
+    input buffer (`self.token`), so `step()` with no token continues the sequence without the host: sampling
+    runs inside the graph, and the host need not wait for a step before launching the next. choose must be
+    capturable (static shapes, no host reads); the graph draws from PyTorch's CUDA generator as eager code
+    does, so a seed gives the same tokens with and without the graph.
     """
 
-    def __init__(self, model, cache, batch_size, warmup=2, compile=None):
+    def __init__(self, model, cache, batch_size, warmup=2, compile=None, choose=None):
         cache.to_static()
         if compile == "fused":
             self.forward = FusedDecodeStep(model, cache)
@@ -37,15 +44,20 @@ class GraphedDecodeStep:
             compiled = (model if compile is None
                         else torch.compile(model, dynamic=False, options=COMPILE_OPTIONS[compile]))
             self.forward = lambda token: compiled(token, cache=cache)[0]
-        self.cache, self.warmup = cache, warmup
+        self.cache, self.warmup, self.choose = cache, warmup, choose
         self.token = torch.zeros(batch_size, 1, dtype=torch.long, device=cache.position.device)
         self.calls, self.graph, self.logits = 0, None, None
 
     def step(self):
-        return self.forward(self.token)
+        logits = self.forward(self.token)
+        if self.choose is not None:
+            self.token.copy_(self.choose(logits)[:, None])
+        return logits
 
-    def __call__(self, token):
-        self.token.copy_(token)
+    def __call__(self, token=None):
+        """token (B, 1), or None: the token the previous call chose (choose)."""
+        if token is not None:
+            self.token.copy_(token)
         if self.calls < self.warmup:
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -60,6 +72,28 @@ class GraphedDecodeStep:
             self.graph.replay()
         self.calls += 1
         return self.logits
+
+
+def replay_stream(graphed, n, done=None):
+    """Yield n (B,) tokens, each one replay of `graphed` (a GraphedDecodeStep with a `choose`) from the token it
+    chose last. Each token is a device tensor and nothing in the loop waits for the step it launched, so the GPU
+    runs the steps back to back. `done` ((B,) bool, updated by choose), if given, is read one step late through
+    pinned memory: before yielding a token the host waits for the step before it, which has finished while this
+    one runs. As in the eager loop the stream stops once every row is done (the step after that is computed and
+    not yielded)."""
+    flags = torch.zeros(2, dtype=torch.bool, pin_memory=True) if done is not None else None
+    events = [torch.cuda.Event(), torch.cuda.Event()]
+    for t in range(n):
+        graphed()
+        token = graphed.token[:, 0].clone()
+        if done is not None:
+            if t > 0:
+                events[(t - 1) % 2].synchronize()
+                if flags[(t - 1) % 2]:
+                    return
+            flags[t % 2].copy_(done.all(), non_blocking=True)
+            events[t % 2].record()
+        yield token
 
 
 def fused_step_unsupported(config):

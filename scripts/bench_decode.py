@@ -14,9 +14,13 @@ The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random 
 with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
 ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
 greedily: GPT.generate_stream without and with cuda_graph (--compiled, --autotuned, --fused: also those modes),
-transformers' generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache. ms/token is the median time between two tokens after the
-first few steps (a graph's warm-up steps and capture; transformers' compilation), each token waited for on the
-host as sample.py's printing does; tokens/s = B / that.
+transformers' generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache.
+Each of ours is timed twice, after the first few steps (a graph's warm-up steps and capture): ms/token is the
+mean time of the later steps when nothing reads them as they come (as GPT.generate: with a CUDA graph the host
+launches each step without waiting for the one before), "waited" the median time between two tokens when the
+host waits for each (as sample.py's printing does). transformers' generate waits for every token itself (its
+stopping check), so both of its columns are the median gap between two of its tokens (after its compilation).
+tokens/s = B / ms/token.
 
 The bound is the time to read, once per step, the weights a step multiplies (an untied input embedding and
 learned positions are lookups) and the whole cache at ctx positions, at --bandwidth-gbs (default 3350 GB/s:
@@ -80,8 +84,8 @@ def parse(argv=None):
         args.inductor = inductor_settings(args.inductor)
     except ValueError as e:
         p.error(f"--inductor: {e}")
-    if args.n < 2:
-        p.error("--n must be >= 2: a time per token needs two tokens")
+    if args.n < SKIPPED_STEPS + 2:
+        p.error(f"--n must be >= {SKIPPED_STEPS + 2}: the first {SKIPPED_STEPS + 1} tokens are not timed")
     if args.profile and args.n <= SKIPPED_STEPS + 1 + PROFILED_STEPS:
         p.error(f"--profile traces steps {SKIPPED_STEPS + 2}..{SKIPPED_STEPS + 1 + PROFILED_STEPS}: "
                 f"--n must exceed {SKIPPED_STEPS + 1 + PROFILED_STEPS}")
@@ -162,11 +166,22 @@ def peak_gib(device):
 
 
 def time_ours(model, prompt, n, cuda_graph, prefill_chunk):
+    """(ms/token with nothing waiting for the tokens, ms/token with the host waiting for each)."""
+    def stream():
+        return model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
+
     stamps = []
-    for _ in model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph):
+    for _ in stream():
         synchronize(prompt.device)
         stamps.append(time.perf_counter())
-    return per_token_ms(stamps)
+    tokens = stream()
+    for _ in range(SKIPPED_STEPS + 1):
+        next(tokens)
+    synchronize(prompt.device)
+    start = time.perf_counter()
+    count = sum(1 for _ in tokens)
+    synchronize(prompt.device)
+    return 1e3 * (time.perf_counter() - start) / count, per_token_ms(stamps)
 
 
 def profile_ours(model, prompt, n, cuda_graph, prefill_chunk):
@@ -203,7 +218,8 @@ def time_hf(hf_model, prompt, n, cache_implementation):
     out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
                             do_sample=False, streamer=stamps, cache_implementation=cache_implementation)
     assert out.size(1) == prompt.size(1) + n, out.shape
-    return per_token_ms(stamps.times[1:])      # the first put is the prompt, before the prefill
+    ms = per_token_ms(stamps.times[1:])       # the first put is the prompt, before the prefill
+    return ms, ms
 
 
 def load_hf(path, device, dtype):
@@ -255,18 +271,19 @@ def main(argv=None):
             for mode, cuda_graph, run in runs:
                 fresh_memory(device)
                 try:
-                    ms = run()
+                    ms, waited_ms = run()
                 except Exception as e:
                     if not mode.startswith("transformers"):
                         raise
                     print(f"skip {mode} at batch {B}, ctx {ctx}: {type(e).__name__}: {e}")
                     continue
-                rows.append((B, ctx, name, mode, f"{ms:.3f}", f"{1e3 * B / ms:.1f}", f"{bound_ms:.3f}",
-                             f"{ms / bound_ms:.2f}", peak_gib(device)))
-                print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token", flush=True)
+                rows.append((B, ctx, name, mode, f"{ms:.3f}", f"{waited_ms:.3f}", f"{1e3 * B / ms:.1f}",
+                             f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device)))
+                print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token ({waited_ms:.3f} waited)", flush=True)
                 if args.profile and cuda_graph is not None:
                     print(profile_ours(model, prompt, args.n, cuda_graph, args.prefill_chunk), flush=True)
-    header = ("batch", "ctx", "model", "mode", "ms/token", "tokens/s", "bound ms", "x bound", "peak GiB")
+    header = ("batch", "ctx", "model", "mode", "ms/token", "waited ms/token", "tokens/s", "bound ms", "x bound",
+              "peak GiB")
     print("\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
                     ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]))
 

@@ -164,6 +164,24 @@ def test_static_greedy_generation_equals_dynamic(kw):
     assert torch.equal(static_greedy(model, prompt, 24), model.generate(prompt, 24, temperature=0))
 
 
+@torch.no_grad()
+def test_step_that_chooses_continues_the_greedy_sequence():
+    """GraphedDecodeStep with a `choose` writes the token it picks into its own input, so calling the step with
+    no token continues the sequence (what generate_stream's graph replays): run eagerly on CPU, its 12 steps
+    equal greedy generation."""
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
+    prompt = torch.randint(0, 97, (2, 5))
+    cache = model.new_cache(2, 5 + 13)
+    first = model(prompt, cache=cache, last_only=True)[0][:, -1].argmax(-1)
+    graphed = GraphedDecodeStep(model, cache, 2, choose=lambda logits: logits[:, -1].argmax(-1))
+    graphed.token.copy_(first[:, None])
+    tokens = [first]
+    for _ in range(12):
+        graphed.step()
+        tokens.append(graphed.token[:, 0].clone())
+    assert torch.equal(torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1), model.generate(prompt, 13, temperature=0))
+
+
 def python_state_of(layer):
     """A layer cache's attributes but its tensors; of a recurrent layer also fla's layer cache's (its counter)."""
     state = {name: x for name, x in vars(layer).items() if not isinstance(x, torch.Tensor)}
@@ -347,25 +365,26 @@ def run_bench_decode(*args):
 
 
 def test_bench_decode_smoke():
-    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "4")
+    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "6")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| batch"))
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
     assert len(rows) == 1 and rows[0].split("|")[4].strip() == "eager", out.stdout
     assert "3350 GB/s" in out.stdout and "no CUDA graph on cpu" in out.stdout
-    ms = float(rows[0].split("|")[5])
-    assert ms > 0
+    ms, waited = float(rows[0].split("|")[5]), float(rows[0].split("|")[6])
+    assert ms > 0 and waited > 0
 
 
 @pytest.mark.parametrize("args, says", [
     (["--n", "8", "--profile"], "--n must exceed 12"),
+    (["--n", "4"], "--n must be >= 5: the first 4 tokens are not timed"),
     (["--inductor", "max_autotun=True"], "'max_autotun=True' is not KEY=VALUE"),
     (["--inductor", "max_autotune"], "'max_autotune' is not KEY=VALUE"),
     (["--inductor", "max_autotune=yes"], "'max_autotune=yes': the value must be a Python literal")])
 def test_bench_decode_options_are_checked_before_any_work(args, says, capsys):
     with pytest.raises(SystemExit) as exit_:
-        bench_decode.parse(["--device", "cpu", "--model", "tiny", "--ctx", "64", "--n", "4", *args])
+        bench_decode.parse(["--device", "cpu", "--model", "tiny", "--ctx", "64", "--n", "6", *args])
     assert exit_.value.code == 2 and says in capsys.readouterr().err
 
 
@@ -382,7 +401,7 @@ def test_bench_decode_applies_inductor_settings(monkeypatch, capsys):
     monkeypatch.setattr(inductor_config.triton, "enable_pdl", False)
     assert bench_decode.inductor_settings(["coordinate_descent_tuning=True", "triton.enable_pdl=True"]) == {
         "coordinate_descent_tuning": True, "triton.enable_pdl": True}
-    bench_decode.main(["--device", "cpu", "--model", "tiny", "--ctx", "32", "--n", "3", "--batch", "1",
+    bench_decode.main(["--device", "cpu", "--model", "tiny", "--ctx", "32", "--n", "5", "--batch", "1",
                        "--inductor", "coordinate_descent_tuning=True", "triton.enable_pdl=True"])
     assert inductor_config.coordinate_descent_tuning is True and inductor_config.triton.enable_pdl is True
     assert "inductor triton.enable_pdl=True" in capsys.readouterr().out
@@ -483,10 +502,28 @@ def test_autotuned_graph_greedy_tokens_equal():
 
 @pytest.mark.gpu
 def test_graph_sampling_follows_the_seed():
-    """Sampling stays outside the graph: the same seed draws the same tokens with and without it (fp32)."""
+    """The graph samples inside it from PyTorch's CUDA generator: the same seed draws the same tokens with and
+    without it (fp32), for every filter."""
     model = model_of(GRAPH_VARIANTS["llama"], torch.float32, "cuda", **GPU_SIZE)
     prompt = torch.randint(0, 97, (2, 5), device="cuda")
     torch.manual_seed(3)
     graphed = model.generate(prompt, 16, temperature=1.0, top_k=20, cuda_graph=True)
     torch.manual_seed(3)
     assert torch.equal(graphed, model.generate(prompt, 16, temperature=1.0, top_k=20))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [True, "fused"])
+def test_graph_stops_at_the_end_token_as_the_eager_loop(mode):
+    """eot_token: the graph marks finished rows inside it and the host reads that one step late; the output equals
+    the eager loop's, which stops once every row has produced the token (a batch of one, stopping after its 7th
+    token) and pads finished rows with it (a batch of two whose second row may never produce it)."""
+    model = model_of(GRAPH_VARIANTS["llama"], torch.float32, "cuda", **GPU_SIZE)
+    prompt = torch.randint(0, 97, (2, 5), device="cuda")
+    free = model.generate(prompt[:1], 24, temperature=0)
+    eot = int(free[0, 5 + 6])
+    for rows in (prompt[:1], prompt):
+        eager = model.generate(rows, 24, temperature=0, eot_token=eot)
+        assert torch.equal(model.generate(rows, 24, temperature=0, eot_token=eot, cuda_graph=mode), eager)
+        if len(rows) == 1:
+            assert eager.size(1) <= 5 + 7 and eager[0, -1] == eot
