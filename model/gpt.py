@@ -835,10 +835,11 @@ class GPT(nn.Module):
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep) that also samples the next token, and the host launches each step without waiting
         for the one before (model/sampling.py replay_stream: a consumer that does not read every token on the
-        host, such as `generate`, keeps the GPU busy); CUDA, one device, with the cache; every attention's caches take its static steps
-        (model/cache.py InferenceCache.to_static). "compiled": the step is torch.compile'd before it is captured;
-        "autotuned": with max-autotune (slower to start, faster per token); "fused": LLaMA blocks only, the whole
-        step as one kernel launch (model/sampling.py FusedDecodeStep), logits in fp32.
+        host, such as `generate`, keeps the GPU busy); CUDA, one device, with the cache; every attention's
+        caches take its static steps (model/cache.py InferenceCache.to_static). "compiled": the step is
+        torch.compile'd before it is captured; "autotuned": with max-autotune (slower to start, faster per token);
+        "fused": LLaMA blocks only, the whole step as one kernel launch (model/sampling.py FusedDecodeStep), logits
+        in fp32.
         """
         check_sampling_options(max_new_tokens, temperature, top_k, top_p)
         if cuda_graph:

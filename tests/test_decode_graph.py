@@ -179,7 +179,8 @@ def test_step_that_chooses_continues_the_greedy_sequence():
     for _ in range(12):
         graphed.step()
         tokens.append(graphed.token[:, 0].clone())
-    assert torch.equal(torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1), model.generate(prompt, 13, temperature=0))
+    greedy = model.generate(prompt, 13, temperature=0)
+    assert torch.equal(torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1), greedy)
 
 
 def python_state_of(layer):
