@@ -10,6 +10,7 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
 
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 
+cuda_graph=auto (the default) is true on one CUDA device and false on the CPU or with sharded=true.
 cuda_graph=true (one GPU; every attention): after the prompt, every token is one replay of a
 CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
 torch.compiles the step first (fewer, fused kernels; compiling takes a minute); cuda_graph=autotuned also
@@ -36,7 +37,7 @@ OPTIONS = {"ckpt": text(), "prompt": text(nonempty=False), "bos": boolean(), "ma
            "top_k": Rule(TOP_K.ok, TOP_K.expected + " (null or 0: no top-k filtering)"),
            "top_p": optional(number(above=0, high=1)), "device": DEVICE, "dtype": one_of("auto", "bf16", "fp32"),
            "stop_at_eot": boolean(), "sharded": boolean(), "prefill_chunk": integer(1),
-           "cuda_graph": one_of(*CUDA_GRAPH_MODES)}
+           "cuda_graph": one_of("auto", *CUDA_GRAPH_MODES)}
 
 
 def check_sample_options(cfg):
@@ -44,11 +45,21 @@ def check_sample_options(cfg):
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("ckpt is missing: pass ckpt=RUN_DIR (its newest readable checkpoint) or ckpt=FILE.pt")
     check_options(OmegaConf.to_container(cfg), OPTIONS)
-    if cfg.cuda_graph and cfg.sharded:
-        raise ValueError("cuda_graph=true decodes on one GPU: it does not combine with sharded=true; "
-                         "pass one of them")
-    if cfg.cuda_graph and cfg.device == "cpu":
-        raise ValueError("cuda_graph=true needs a CUDA device, not device=cpu: pass cuda_graph=false")
+    if cfg.cuda_graph not in (False, "auto"):
+        asked = f"cuda_graph={str(cfg.cuda_graph).lower()}"
+        if cfg.sharded:
+            raise ValueError(f"{asked} decodes on one GPU: it does not combine with sharded=true; pass one of them "
+                             "(cuda_graph=auto turns it off with sharded=true)")
+        if cfg.device == "cpu":
+            raise ValueError(f"{asked} needs a CUDA device, not device=cpu: pass cuda_graph=auto or false")
+
+
+def graph_mode(cfg, device):
+    """cuda_graph as GPT.generate_stream takes it: auto is a CUDA graph of the step (True) on one CUDA device,
+    none on the CPU or with sharded=true; any other value as given."""
+    if cfg.cuda_graph == "auto":
+        return device.type == "cuda" and not cfg.sharded
+    return cfg.cuda_graph
 
 
 def init_sharding(cfg):
@@ -78,7 +89,7 @@ def main(cfg):
         stream_text(model, tok, prompt_ids, device, max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_at_eot=cfg.stop_at_eot,
                     group=group, prefill_chunk=cfg.prefill_chunk if group is not None else None,
-                    cuda_graph=cfg.cuda_graph, show=ranks.master)
+                    cuda_graph=graph_mode(cfg, device), show=ranks.master)
     ranks.close()
 
 

@@ -345,16 +345,23 @@ def test_cuda_graph_refuses_training_mode():
     (["cuda_graph=true", "sharded=true"], "does not combine with sharded=true"),
     (["cuda_graph=true", "device=cpu"], "cuda_graph=true needs a CUDA device"),
     (["cuda_graph=yes"], "cuda_graph"),
-    (["cuda_graph=compiled", "device=cpu"], "needs a CUDA device"),
+    (["cuda_graph=compiled", "device=cpu"], "cuda_graph=compiled needs a CUDA device"),
+    (["cuda_graph=fused", "sharded=true"], "cuda_graph=fused decodes on one GPU"),
 ])
 def test_sample_cuda_graph_option_errors(overrides, expected):
     assert expected in error_of(sample.check_sample_options, compose_config("sample", ["ckpt=x", *overrides]))
 
 
-def test_sample_cuda_graph_defaults_off():
-    cfg = compose_config("sample", ["ckpt=x"])
-    assert cfg.cuda_graph is False
+@pytest.mark.parametrize("overrides, device, mode", [
+    ([], "cuda", True), ([], "cpu", False), (["sharded=true"], "cuda", False),
+    (["cuda_graph=fused"], "cuda", "fused"), (["cuda_graph=false"], "cuda", False)])
+def test_sample_cuda_graph_defaults_to_a_graph_on_one_gpu(overrides, device, mode):
+    """cuda_graph=auto, the default: a CUDA graph of the step on one CUDA device (every variant's graph is tested
+    on a GPU), none on the CPU or sharded; auto is never refused, any other value is passed on as given."""
+    cfg = compose_config("sample", ["ckpt=x", *overrides])
     sample.check_sample_options(cfg)
+    got = sample.graph_mode(cfg, torch.device(device))
+    assert got == mode and type(got) is type(mode)
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -502,15 +509,17 @@ def test_autotuned_graph_greedy_tokens_equal():
 
 
 @pytest.mark.gpu
-def test_graph_sampling_follows_the_seed():
+@pytest.mark.parametrize("filters", [dict(top_k=20), dict(top_p=0.9), dict(top_k=50, top_p=0.8, temperature=0.7)])
+def test_graph_sampling_follows_the_seed(filters):
     """The graph samples inside it from PyTorch's CUDA generator: the same seed draws the same tokens with and
-    without it (fp32), for every filter."""
+    without it (fp32), with top-k, nucleus and both filters."""
     model = model_of(GRAPH_VARIANTS["llama"], torch.float32, "cuda", **GPU_SIZE)
     prompt = torch.randint(0, 97, (2, 5), device="cuda")
+    kw = dict(temperature=1.0) | filters
     torch.manual_seed(3)
-    graphed = model.generate(prompt, 16, temperature=1.0, top_k=20, cuda_graph=True)
+    graphed = model.generate(prompt, 16, cuda_graph=True, **kw)
     torch.manual_seed(3)
-    assert torch.equal(graphed, model.generate(prompt, 16, temperature=1.0, top_k=20))
+    assert torch.equal(graphed, model.generate(prompt, 16, **kw))
 
 
 @pytest.mark.gpu
