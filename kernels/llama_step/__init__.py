@@ -53,7 +53,6 @@ class LlamaStepWeights:
                    norms=torch.stack([torch.stack([a, m]) for a, m in zip(norm_attn, norm_mlp)]),
                    norm_f=norm_f, head=head, cos=cos, sin=sin)
 
-
     @classmethod
     def random(cls, L, H, D, d, F, V, cos, sin, dtype, generator, scale=0.3):
         """Random weights of these sizes for tests and benchmarks: matrices ~ N(0, scale^2), norm scales
