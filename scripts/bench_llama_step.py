@@ -3,6 +3,7 @@ memory-bandwidth bound, with its grid barriers alone next to it (the floor the p
 
     python -m scripts.bench_llama_step --ctx 4096 32768 --bandwidth-gbs 4800
     python -m scripts.bench_llama_step --ctx 4096 --variants "" programs=264 "stages=4 num_warps=8"
+    python -m scripts.bench_llama_step --ctx 4096 32768 --gluon      # the Gluon kernel (gluon.py) after them
 
 Random bf16 weights at the Transformer (LLaMA) 360M shapes (24 layers, d 1024, 16 heads of 64, F 2816, vocabulary
 50304), batch 1, the cache filled to ctx rows. A variant is decode_step_triton keyword arguments (space-separated
@@ -14,6 +15,7 @@ import ast
 import torch
 
 from kernels.llama_step import LlamaStepWeights
+from kernels.llama_step.gluon import decode_step_gluon
 from kernels.llama_step.triton import _grid_sync, decode_step_triton, tl, triton
 from model.gpt import rope_tables
 
@@ -61,6 +63,7 @@ def main():
     p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="cache rows filled")
     p.add_argument("--variants", nargs="+", default=[""], help="decode_step_triton keyword sets, e.g. stages=4")
     p.add_argument("--bandwidth-gbs", type=float, default=3350, help="HBM bandwidth of the bound, GB/s")
+    p.add_argument("--gluon", action="store_true", help="also time kernels/llama_step/gluon.py (Hopper or newer)")
     args = p.parse_args()
     variants = [(text, parse_variant(text)) for text in args.variants]   # bad ones refused before any work
     if not torch.cuda.is_available():
@@ -88,6 +91,9 @@ def main():
         for text, kw in variants:
             ms = replay_ms(lambda: decode_step_triton(x, position, w, k, v, 1e-5, **kw))
             print(f"  {text or 'defaults':28s} {ms:.3f} ms ({ms / bound:.2f}x the bound)")
+        if args.gluon:
+            ms = replay_ms(lambda: decode_step_gluon(x, position, w, k, v, 1e-5))
+            print(f"  {'gluon':28s} {ms:.3f} ms ({ms / bound:.2f}x the bound)")
         del w, k, v
 
 

@@ -195,6 +195,53 @@ def test_every_supported_shape_fits_hoppers_shared_memory():
     assert len(shared) == len(configs) and max(shared) <= 232448, out.stdout
 
 
+GLUON_HOPPER_COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels.llama_step.gluon import _llama_step_gluon, launch_constants
+names = _llama_step_gluon.arg_names
+weights = "WQKV WO WGU WD NORMS NORM_F WH KC VC".split()
+for dtype, size, d, F, H, D, CAP in [tuple(x if i == 0 else int(x) for i, x in enumerate(c.split(":")))
+                                     for c in sys.argv[1:]]:
+    types = {n: "*fp32" for n in "X Q PO PM PL ATT HID LOGITS COS SIN".split()}
+    types.update(BAR="*i32", CNT="*i32", POS="*i64", eps="fp32", qk_scale="fp32", **{n: "*" + dtype for n in weights})
+    types.update({n: "i32" for n in "d H F V CAP L".split()})
+    types.update({n: "i64" for n in "base_wo base_wgu base_wd base_wh base_kc base_vc".split()})
+    _, _, constants = launch_constants(d, F, H, D, 50304, CAP, size, 132)
+    types.update({n: "constexpr" for n in constants})
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if types[n].startswith("*") or n in ("d", "F", "CAP", "V")}
+    src = GluonASTSource(_llama_step_gluon, {n: types[n] for n in names},
+                         constexprs={(names.index(n),): v for n, v in constants.items()}, attrs=aligned)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=8, launch_cooperative_grid=True))
+    print(dtype, d, D, CAP, kernel.metadata.shared)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="Triton's ptxas ships for Linux")
+def test_gluon_step_fits_hoppers_shared_memory():
+    """The Gluon step's ring, staged vector and schedule fill shared memory to what launch_constants leaves for
+    the compiler's scratch: at head dims 64 and 128, bf16 and fp32, and a 128K-row cache (the longest
+    schedule) it must compile for Hopper within 227 KiB, or it fails to launch."""
+    configs = ["bf16:2:1024:2816:16:64:32768", "bf16:2:1024:2816:8:128:4096", "fp32:4:2048:5632:16:128:131072"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", GLUON_HOPPER_COMPILE, *configs], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shared = [int(line.split()[-1]) for line in out.stdout.splitlines()]
+    assert len(shared) == len(configs) and max(shared) <= 232448, out.stdout
+
+
+def test_gluon_step_refuses_batches_by_name():
+    w, k, v, x = random_step(1, 2, 2, 16, 32, 48, 97, 8, torch.float32)
+    with pytest.raises(ValueError, match=r"takes batch 1 .* not batch 2, .* use impl='triton'"):
+        decode_step(x, torch.tensor([0]), w, k, v, 1e-6, impl="gluon")
+
+
 # ----------------------------------------------------------------------------- on a GPU
 
 @pytest.mark.gpu
@@ -226,3 +273,26 @@ def test_fused_graph_generation_equals_the_eager_graph():
     prompt = torch.randint(0, 97, (2, 7), device="cuda")
     assert torch.equal(model.generate(prompt, 48, temperature=0, cuda_graph="fused"),
                        model.generate(prompt, 48, temperature=0, cuda_graph=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a Hopper (or newer) GPU")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+def test_gluon_step_equals_the_reference(dtype, tol):
+    """impl="gluon" against the reference: the 360M shapes (4 of 24 layers, a 4100-row cache), head dim 128,
+    and tiny odd sizes where most programs own no rows; the first, a middle and the last cache row (the
+    ring's partial tiles and the item that holds the new key)."""
+    shapes = [(4, 16, 64, 1024, 2816, 50304, 4100), (2, 8, 128, 1024, 2816, 5000, 1000), (2, 2, 16, 64, 96, 97, 70)]
+    for L, H, D, d, F, V, CAP in shapes:
+        w, k, v, x = random_step(L, 1, H, D, d, F, V, CAP, dtype, "cuda", seed=CAP)
+        for pos in (0, 37, CAP - 1):
+            position = torch.tensor([pos], device="cuda")
+            k_ref, v_ref = with_nan_past(k, pos), with_nan_past(v, pos)
+            k_out, v_out = k_ref.clone(), v_ref.clone()
+            ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-6, impl="torch")
+            out = decode_step(x.clone(), position, w, k_out, v_out, 1e-6, impl="gluon")
+            torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+            scale = k_ref[k_ref.isfinite()].abs().max().item()
+            torch.testing.assert_close(k_out, k_ref, rtol=tol, atol=tol * scale, equal_nan=True)
+            torch.testing.assert_close(v_out, v_ref, rtol=tol, atol=tol * scale, equal_nan=True)

@@ -6,14 +6,16 @@ persistent Triton launch, for batch-1 decoding.
 x (B, d), B <= MAX_BATCH: the token embeddings (an fp32 x becomes the buffer of the residual stream and is
 overwritten); position (1,) int64 on the device: the cache row the token takes (the caller advances it);
 k_cache / v_cache (L, B, H, CAP, D) are written at that row; weights: a LlamaStepWeights
-(LlamaStepWeights.pack). impl: "triton" (CUDA, or the interpreter), "torch" (reference.py), "auto" (Triton on
-CUDA).
+(LlamaStepWeights.pack). impl: "triton" (CUDA, or the interpreter), "gluon" (batch 1 on Hopper or newer: the
+weights and cache streamed through shared memory across the barriers, gluon.py), "torch" (reference.py),
+"auto" (Triton on CUDA).
 
 Why one launch (docs/decoding.md): at batch 1 a 360M step reads ~1 GB, ~0.25 ms at full bandwidth, and a graph
 of even 150 small kernels loses more than that to launch gaps and each kernel's ramp-up. Here one program per
 SM owns a share of every phase's work and grid-wide barriers separate the phases (triton.py).
 
-Modules: reference.py (the same step in PyTorch), triton.py (the kernel and its launcher).
+Modules: reference.py (the same step in PyTorch), triton.py (the kernel and its launcher), gluon.py (the
+batch-1 kernel with explicit asynchronous copies; faster than triton.py, not yet the default: docs/decoding.md).
 """
 from dataclasses import dataclass
 
@@ -79,8 +81,11 @@ def decode_step(x, position, weights, k_cache, v_cache, eps, impl="auto"):
         impl = "triton" if x.is_cuda else "torch"
     if impl == "torch":
         return reference.decode_step(x, position, weights, k_cache, v_cache, eps)
+    if impl == "gluon":
+        from kernels.llama_step.gluon import decode_step_gluon
+        return decode_step_gluon(x, position, weights, k_cache, v_cache, eps)
     if impl != "triton":
-        raise ValueError(f"impl={impl!r}: choose auto, triton or torch")
+        raise ValueError(f"impl={impl!r}: choose auto, triton, gluon or torch")
     if x.size(0) > MAX_BATCH:
         raise ValueError(f"the fused decode step takes batches of up to {MAX_BATCH} rows, not {x.size(0)}")
     if not (x.is_cuda or interpreting()):
