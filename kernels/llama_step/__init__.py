@@ -8,14 +8,14 @@ overwritten); position (1,) int64 on the device: the cache row the token takes (
 k_cache / v_cache (L, B, H, CAP, D) are written at that row; weights: a LlamaStepWeights
 (LlamaStepWeights.pack). impl: "triton" (CUDA, or the interpreter), "gluon" (batch 1 on Hopper or newer: the
 weights and cache streamed through shared memory across the barriers, gluon.py), "torch" (reference.py),
-"auto" (Triton on CUDA).
+"auto" (on CUDA Gluon where it applies, else Triton; on the CPU the reference).
 
 Why one launch (docs/decoding.md): at batch 1 a 360M step reads ~1 GB, ~0.25 ms at full bandwidth, and a graph
 of even 150 small kernels loses more than that to launch gaps and each kernel's ramp-up. Here one program per
 SM owns a share of every phase's work and grid-wide barriers separate the phases (triton.py).
 
 Modules: reference.py (the same step in PyTorch), triton.py (the kernel and its launcher), gluon.py (the
-batch-1 kernel with explicit asynchronous copies; faster than triton.py, not yet the default: docs/decoding.md).
+batch-1 kernel with explicit asynchronous copies, 8-15% faster than triton.py: docs/decoding.md).
 """
 from dataclasses import dataclass
 
@@ -77,8 +77,11 @@ def pack_qkv(w, head_dim):
 
 def decode_step(x, position, weights, k_cache, v_cache, eps, impl="auto"):
     """See the module docstring."""
+    if impl == "auto" and x.is_cuda:
+        from kernels.llama_step.gluon import unsupported     # CUDA has Triton; CPU-only installs may not
+        impl = "triton" if unsupported(x, weights, k_cache, v_cache) else "gluon"
     if impl == "auto":
-        impl = "triton" if x.is_cuda else "torch"
+        impl = "torch"
     if impl == "torch":
         return reference.decode_step(x, position, weights, k_cache, v_cache, eps)
     if impl == "gluon":

@@ -203,6 +203,20 @@ def _gemv(j, ring, tab, plan, vec, NP: gl.constexpr, WK: gl.constexpr, VEC: gl.c
 
 
 @gluon.jit
+def _residual(j, ring, tab, plan, vec, X, A, K, r0, r1, NP: gl.constexpr, PIECES: gl.constexpr, WK: gl.constexpr,
+              VEC: gl.constexpr, SLOTS: gl.constexpr, WLAY: gl.constexpr, EL: gl.constexpr, SLAY: gl.constexpr):
+    """X[r] += sum_k W[r, k] A[k] for this program's rows r0..r1 of the stream (the matrix's tiles come next in
+    the ring, PIECES per chunk of rows); returns the next tile's index."""
+    _stage(vec, A, K, A, 0.0, NP, WK, False, SLAY)
+    rows = gl.arange(0, WR, layout=gl.SliceLayout(1, WLAY))
+    for c in range(r0, r1, WR):
+        out, j = _gemv(j, ring, tab, plan, vec, PIECES, WK, VEC, SLOTS, WLAY, EL)
+        rm = c + rows < r1
+        gl.store(X + c + rows, gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg") + out, mask=rm)
+    return j
+
+
+@gluon.jit
 def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
                       WQKV, WO, WGU, WD, NORMS, NORM_F, WH, COS, SIN, KC, VC,
                       d, H, F, V, CAP, L, eps, qk_scale, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
@@ -354,12 +368,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
         _grid_sync(BAR, nb * P)
 
         # 2 out: X[rows] += W_o[rows] . att
-        _stage(vec, ATT, HD, NORMS, eps, NP, WK, False, SLAY)
-        for c in range(r0, r1, WR):
-            out, j = _gemv(j, ring, tab, plan, vec, PHD, WK, VEC, SLOTS, WLAY, EL)
-            rm = c + rows < r1
-            xo = gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg")
-            gl.store(X + c + rows, xo + out, mask=rm)
+        j = _residual(j, ring, tab, plan, vec, X, ATT, HD, r0, r1, NP, PHD, WK, VEC, SLOTS, WLAY, EL, SLAY)
         nb += 1
         _grid_sync(BAR, nb * P)
 
@@ -375,12 +384,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
         _grid_sync(BAR, nb * P)
 
         # 4 down: X[rows] += W_down[rows] . hid
-        _stage(vec, HID, F, NORMS, eps, NP, WK, False, SLAY)
-        for c in range(r0, r1, WR):
-            out, j = _gemv(j, ring, tab, plan, vec, PF, WK, VEC, SLOTS, WLAY, EL)
-            rm = c + rows < r1
-            xo = gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg")
-            gl.store(X + c + rows, xo + out, mask=rm)
+        j = _residual(j, ring, tab, plan, vec, X, HID, F, r0, r1, NP, PF, WK, VEC, SLOTS, WLAY, EL, SLAY)
     nb += 1
     _grid_sync(BAR, nb * P)
 
@@ -415,22 +419,35 @@ def launch_constants(d, F, H, D, V, CAP, element_size, programs):
                           VEC=16 // element_size, TMAX=TMAX, **pieces)
 
 
+def unsupported(x, w, k_cache, v_cache):
+    """Why decode_step_gluon cannot take these inputs (None: it can)."""
+    L, B, H, CAP, D = k_cache.shape
+    d, F, size = x.size(1), w.wd.size(2), w.wqkv.element_size()
+    if B != 1:
+        return f"the Gluon decode step takes batch 1, not batch {B}"
+    if any(n * size % 16 for n in (d, F, H * D)):
+        return f"the Gluon decode step takes rows of multiples of 16 bytes, not d {d}, F {F}, H D {H * D}"
+    if not x.is_cuda or torch.cuda.get_device_capability(x.device) < (9, 0):
+        return "the Gluon decode step runs on Hopper (sm_90) or newer GPUs"
+    tensors = (w.wo, w.wgu, w.wd, w.head, k_cache, v_cache)
+    if any(t.dtype != w.wqkv.dtype or (t.data_ptr() - w.wqkv.data_ptr()) % 16 for t in tensors):
+        return "the Gluon decode step takes weights and caches of one dtype, 16-byte aligned"
+    return None
+
+
 def decode_step_gluon(x, position, w, k_cache, v_cache, eps, programs=None):
     """kernels.llama_step.decode_step at batch 1 on a Hopper (or newer) GPU: one cooperative launch, one program
     per SM (programs: another grid, for experiments)."""
+    reason = unsupported(x, w, k_cache, v_cache)
+    if reason:
+        raise ValueError(f"{reason}: use impl='triton'")
     L, B, H, CAP, D = k_cache.shape
     d, F, V = x.size(1), w.wd.size(2), w.head.size(0)
-    if B != 1 or any(n * w.wqkv.element_size() % 16 for n in (d, F, H * D)):
-        raise ValueError(f"the Gluon decode step takes batch 1 and rows of multiples of 16 bytes, not batch {B}, "
-                         f"d {d}, F {F}, H D {H * D}: use impl='triton'")
     P = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
     S, split, constants = launch_constants(d, F, H, D, V, CAP, w.wqkv.element_size(), P)
-    size = w.wqkv.element_size()
-
-    def offset(t):                       # every tile is addressed from WQKV (same dtype, 16-byte aligned)
-        diff = t.data_ptr() - w.wqkv.data_ptr()
-        assert t.dtype == w.wqkv.dtype and diff % 16 == 0, "weights and caches: one dtype, 16-byte aligned"
-        return diff // size
+    # every tile is addressed from WQKV: the other tensors as element offsets from it
+    offsets = [(t.data_ptr() - w.wqkv.data_ptr()) // t.element_size()
+               for t in (w.wo, w.wgu, w.wd, w.head, k_cache, v_cache)]
     f32 = dict(device=x.device, dtype=torch.float32)
     X = x.float().contiguous()
     q, att = torch.empty(H, D, **f32), torch.empty(H, D, **f32)
@@ -440,6 +457,6 @@ def decode_step_gluon(x, position, w, k_cache, v_cache, eps, programs=None):
     _llama_step_gluon[(P,)](
         X, q, po, pm, pl, counters, att, hid, logits, counters[H:], position,
         w.wqkv, w.wo, w.wgu, w.wd, w.norms, w.norm_f, w.head, w.cos, w.sin, k_cache, v_cache,
-        d, H, F, V, CAP, L, eps, D ** -0.5 * LOG2E.value, *(offset(t) for t in (w.wo, w.wgu, w.wd, w.head, k_cache, v_cache)), num_warps=8, launch_cooperative_grid=True,
-        **constants)
+        d, H, F, V, CAP, L, eps, D ** -0.5 * LOG2E.value, *offsets,
+        num_warps=8, launch_cooperative_grid=True, **constants)
     return logits
