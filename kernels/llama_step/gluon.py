@@ -27,26 +27,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
+from kernels.llama_step.triton import _grid_sync, _share
+from kernels.triton_utils import LOG2E
+
 WR = gl.constexpr(8)   # rows per weight tile
 SLOT_BYTES = 16384    # bytes per ring slot
-LOG2E = gl.constexpr(1.4426950408889634)
 SHARED_BYTES = 232448 - 24576  # Hopper's shared memory per program, less the compiler's scratch (up to ~21 KiB
                                # at head dim 128); the ring's depth past 6 slots does not change the time
-
-
-@gluon.jit
-def _grid_sync(bar, target):
-    gl.thread_barrier()
-    gl.atomic_add(bar, 1, sem="release", scope="gpu")
-    while gl.atomic_add(bar, 0, sem="acquire", scope="gpu") < target:
-        pass
-    gl.thread_barrier()
-
-
-@gluon.jit
-def _share(n, P):
-    p = gl.program_id(0)
-    return p * n // P, (p + 1) * n // P
 
 
 @gluon.jit
