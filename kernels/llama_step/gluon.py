@@ -51,6 +51,16 @@ def _weight_entry(row, row_end, p, K, base, WK: gl.constexpr):
 
 
 @gluon.jit
+def _where(sel, entry, tile, step, K):
+    """The fields (offset, rows, columns, step per layer, row stride) of `entry` with those of a weight tile
+    (_weight_entry's three, step, K) where sel."""
+    off, rows, cols, old_step, old_K = entry
+    new_off, new_rows, new_cols = tile
+    return (gl.where(sel, new_off, off), gl.where(sel, new_rows, rows), gl.where(sel, new_cols, cols),
+            gl.where(sel, step, old_step), gl.where(sel, K, old_K))
+
+
+@gluon.jit
 def _build_schedule(tab, plan, d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
                     WK: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, VEC: gl.constexpr, TMAX: gl.constexpr,
                     PD: gl.constexpr, PF: gl.constexpr, PHD: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
@@ -85,28 +95,20 @@ def _build_schedule(tab, plan, d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd,
         start += n
     # out, gate/up (each chunk: its gate pieces, then its up pieces), down
     a = e - n_qkv - n_att
-    o_off, o_rows, o_cols = _weight_entry(r0 + a // PHD * WR, r1, a % PHD, HD, zero + base_wo, WK)
-    sel = (a >= 0) & (a < n_out)
-    off, rows, cols = gl.where(sel, o_off, off), gl.where(sel, o_rows, rows), gl.where(sel, o_cols, cols)
-    step, K = gl.where(sel, d * HD, step), gl.where(sel, HD, K)
+    off, rows, cols, step, K = _where((a >= 0) & (a < n_out), (off, rows, cols, step, K),
+                                     _weight_entry(r0 + a // PHD * WR, r1, a % PHD, HD, zero + base_wo, WK), d * HD, HD)
     a -= n_out
     half = a // PD % 2
-    g_off, g_rows, g_cols = _weight_entry(half * F + n0 + a // (2 * PD) * WR, half * F + n1, a % PD, d,
-                                          zero + base_wgu, WK)
-    sel = (a >= 0) & (a < n_gu)
-    off, rows, cols = gl.where(sel, g_off, off), gl.where(sel, g_rows, rows), gl.where(sel, g_cols, cols)
-    step, K = gl.where(sel, 2 * F * d, step), gl.where(sel, d, K)
+    gate_up = _weight_entry(half * F + n0 + a // (2 * PD) * WR, half * F + n1, a % PD, d, zero + base_wgu, WK)
+    off, rows, cols, step, K = _where((a >= 0) & (a < n_gu), (off, rows, cols, step, K), gate_up, 2 * F * d, d)
     a -= n_gu
-    w_off, w_rows, w_cols = _weight_entry(r0 + a // PF * WR, r1, a % PF, F, zero + base_wd, WK)
-    sel = a >= 0
-    off, rows, cols = gl.where(sel, w_off, off), gl.where(sel, w_rows, rows), gl.where(sel, w_cols, cols)
-    step, K = gl.where(sel, d * F, step), gl.where(sel, F, K)
+    off, rows, cols, step, K = _where(a >= 0, (off, rows, cols, step, K),
+                                     _weight_entry(r0 + a // PF * WR, r1, a % PF, F, zero + base_wd, WK), d * F, F)
     # the head, after the layer's entries
     a = e - per_layer
-    h_off, h_rows, h_cols = _weight_entry(v0 + a // PD * WR, v1, a % PD, d, zero + base_wh, WK)
-    sel = a >= 0
-    off, rows, cols = gl.where(sel, h_off, off), gl.where(sel, h_rows, rows), gl.where(sel, h_cols, cols)
-    step, K, part = gl.where(sel, 0, step), gl.where(sel, d, K), gl.where(sel, 0, part)
+    off, rows, cols, step, K = _where(a >= 0, (off, rows, cols, step, K),
+                                     _weight_entry(v0 + a // PD * WR, v1, a % PD, d, zero + base_wh, WK), 0, d)
+    part = gl.where(a >= 0, 0, part)
     packed = gl.maximum(rows, 0).to(gl.int64) | (gl.maximum(cols, 0) // VEC).to(gl.int64) << 16 | \
         (part // VEC).to(gl.int64) << 32
     f = gl.arange(0, 4, layout=gl.SliceLayout(0, TL))[None, :]
