@@ -154,6 +154,18 @@ def test_fused_mode_refuses_large_batches_by_name():
         model.generate(torch.zeros(5, 3, dtype=torch.long), 2, cuda_graph="fused")
 
 
+def assert_fits_hoppers_shared_memory(script, configs):
+    """Run a compile script (below) on these configs in its own process; every kernel must fit the 227 KiB of
+    shared memory a Hopper program has, or it would fail to launch on the GPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", script, *configs], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    shared = [int(line.split()[-1]) for line in out.stdout.splitlines()]
+    assert len(shared) == len(configs) and max(shared) <= 232448, out.stdout
+
+
 # Compiles the kernel for Hopper (sm_90, no GPU needed: Triton's own ptxas) at the constants decode_step_triton
 # launches, and prints each shape's shared memory; a separate process, since the interpreter replaces the kernel.
 HOPPER_COMPILE = """
@@ -185,14 +197,7 @@ def test_every_supported_shape_fits_hoppers_shared_memory():
     """The pipelined tiles live in shared memory (227 KiB per program on Hopper): the launch constants must fit, or
     the kernel fails to launch on the GPU. The largest tiles: fp32 weights, head dim 128, d 2048, batch 1 (three
     pipeline stages) and the largest batch (two); bf16 tiles are half their size."""
-    configs = ["fp32:4:1:2048:5632:16:128", "fp32:4:4:2048:5632:16:128"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", HOPPER_COMPILE, *configs], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    shared = [int(line.split()[-1]) for line in out.stdout.splitlines()]
-    assert len(shared) == len(configs) and max(shared) <= 232448, out.stdout
+    assert_fits_hoppers_shared_memory(HOPPER_COMPILE, ["fp32:4:1:2048:5632:16:128", "fp32:4:4:2048:5632:16:128"])
 
 
 GLUON_HOPPER_COMPILE = """
@@ -227,13 +232,7 @@ def test_gluon_step_fits_hoppers_shared_memory():
     the compiler's scratch: at head dims 64 and 128, bf16 and fp32, and a 128K-row cache (the longest
     schedule) it must compile for Hopper within 227 KiB, or it fails to launch."""
     configs = ["bf16:2:1024:2816:16:64:32768", "bf16:2:1024:2816:8:128:4096", "fp32:4:2048:5632:16:128:131072"]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", GLUON_HOPPER_COMPILE, *configs], cwd=root, env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stderr[-3000:]
-    shared = [int(line.split()[-1]) for line in out.stdout.splitlines()]
-    assert len(shared) == len(configs) and max(shared) <= 232448, out.stdout
+    assert_fits_hoppers_shared_memory(GLUON_HOPPER_COMPILE, configs)
 
 
 def test_gluon_step_refuses_batches_by_name():
@@ -244,6 +243,20 @@ def test_gluon_step_refuses_batches_by_name():
 
 # ----------------------------------------------------------------------------- on a GPU
 
+def assert_step_equals_the_reference(impl, w, k, v, x, pos, tol):
+    """decode_step(impl=...) at cache row pos against impl="torch": the logits and both caches (NaN past pos, which
+    the step must never read)."""
+    position = torch.tensor([pos], device=x.device)
+    k_ref, v_ref = with_nan_past(k, pos), with_nan_past(v, pos)
+    k_out, v_out = k_ref.clone(), v_ref.clone()
+    ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-6, impl="torch")
+    out = decode_step(x.clone(), position, w, k_out, v_out, 1e-6, impl=impl)
+    torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
+    scale = k_ref[k_ref.isfinite()].abs().max().item()     # keys grow with depth: deep layers' are ~10
+    torch.testing.assert_close(k_out, k_ref, rtol=tol, atol=tol * scale, equal_nan=True)
+    torch.testing.assert_close(v_out, v_ref, rtol=tol, atol=tol * scale, equal_nan=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
@@ -253,14 +266,7 @@ def test_single_launch_at_a_360M_shape(dtype, tol):
     for B in (1, 3):
         w, k, v, x = random_step(4, B, 16, 64, 1024, 2816, 50304, 4100, dtype, "cuda", seed=B)
         for pos in (0, 4099):
-            position = torch.tensor([pos], device="cuda")
-            k_ref, v_ref = with_nan_past(k, pos), with_nan_past(v, pos)
-            k_out, v_out = k_ref.clone(), v_ref.clone()
-            ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-6, impl="torch")
-            out = decode_step(x.clone(), position, w, k_out, v_out, 1e-6, impl="triton")
-            torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
-            scale = k_ref[k_ref.isfinite()].abs().max().item()     # keys grow with depth: deep layers' are ~10
-            torch.testing.assert_close(k_out, k_ref, rtol=tol, atol=tol * scale, equal_nan=True)
+            assert_step_equals_the_reference("triton", w, k, v, x, pos, tol)
 
 
 @pytest.mark.gpu
@@ -289,12 +295,4 @@ def test_gluon_step_equals_the_reference(dtype, tol):
     for L, H, D, d, F, V, CAP in shapes:
         w, k, v, x = random_step(L, 1, H, D, d, F, V, CAP, dtype, "cuda", seed=CAP)
         for pos in (0, 37, CAP - 1):
-            position = torch.tensor([pos], device="cuda")
-            k_ref, v_ref = with_nan_past(k, pos), with_nan_past(v, pos)
-            k_out, v_out = k_ref.clone(), v_ref.clone()
-            ref = decode_step(x.clone(), position, w, k_ref, v_ref, 1e-6, impl="torch")
-            out = decode_step(x.clone(), position, w, k_out, v_out, 1e-6, impl="gluon")
-            torch.testing.assert_close(out, ref.float(), rtol=tol, atol=tol * ref.abs().max().item())
-            scale = k_ref[k_ref.isfinite()].abs().max().item()
-            torch.testing.assert_close(k_out, k_ref, rtol=tol, atol=tol * scale, equal_nan=True)
-            torch.testing.assert_close(v_out, v_ref, rtol=tol, atol=tol * scale, equal_nan=True)
+            assert_step_equals_the_reference("gluon", w, k, v, x, pos, tol)
