@@ -199,9 +199,10 @@ def _residual(j, ring, tab, plan, vec, X, A, K, r0, r1, NP: gl.constexpr, PIECES
     _stage(vec, A, K, A, 0.0, NP, WK, False, SLAY)
     rows = gl.arange(0, WR, layout=gl.SliceLayout(1, WLAY))
     for c in range(r0, r1, WR):
-        out, j = _gemv(j, ring, tab, plan, vec, PIECES, WK, VEC, SLOTS, WLAY, EL)
         rm = c + rows < r1
-        gl.store(X + c + rows, gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg") + out, mask=rm)
+        x = gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg")    # before the tiles, to hide its latency
+        out, j = _gemv(j, ring, tab, plan, vec, PIECES, WK, VEC, SLOTS, WLAY, EL)
+        gl.store(X + c + rows, x + out, mask=rm)
     return j
 
 
@@ -271,18 +272,18 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
             _grid_sync(BAR, nb * P)
         rs = _stage(vec, X, d, NORMS + layer * 2 * d, eps, NP, WK, True, SLAY)
         for c in range(2 * u0, 2 * u1, WR):
-            out, j = _gemv(j, ring, tab, plan, vec, PD, WK, VEC, SLOTS, WLAY, EL)
-            out = out * rs
-            lo, hi = gl.split(gl.reshape(gl.convert_layout(out, PAIRS), [WR // 2, 2]))
-            lo = gl.convert_layout(lo, UNITS)
-            hi = gl.convert_layout(hi, UNITS)
             units = c // 2 + gl.arange(0, WR // 2, layout=UNITS)
             live = units < u1
             i = units % DH
             kind = units // DH // H               # 0 q, 1 k, 2 v
             head = units // DH % H
-            cos = gl.load(COS + pos * DH + i)
+            cos = gl.load(COS + pos * DH + i)     # loaded before the tiles: their latency hides behind them
             sin = gl.load(SIN + pos * DH + i)
+            out, j = _gemv(j, ring, tab, plan, vec, PD, WK, VEC, SLOTS, WLAY, EL)
+            out = out * rs
+            lo, hi = gl.split(gl.reshape(gl.convert_layout(out, PAIRS), [WR // 2, 2]))
+            lo = gl.convert_layout(lo, UNITS)
+            hi = gl.convert_layout(hi, UNITS)
             rot = kind < 2
             lo, hi = gl.where(rot, lo * cos - hi * sin, lo), gl.where(rot, hi * cos + lo * sin, hi)
             qo = head * D + i
@@ -307,6 +308,10 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
             h, t0, tr, fresh = _item_keys(it, S, SPLIT, pos)
             q = gl.load(Q + h * D + dd, cache_modifier=".cg") * qk_scale
             q3 = gl.expand_dims(gl.expand_dims(q, 0), 0)
+            # key and value `pos` (this step's, written before the barrier) loaded before the tiles, used after
+            row = ((layer * H + h).to(gl.int64) * CAP + pos) * D + dd
+            k_new = gl.load(KC + row, mask=fresh & (dd < D), other=0.0, cache_modifier=".cg")
+            v_new = gl.load(VC + row, mask=fresh & (dd < D), other=0.0, cache_modifier=".cg")
             m = gl.full([KG], float("-inf"), gl.float32, GL)
             den = gl.zeros([KG], gl.float32, GL)
             acc = gl.zeros([KG, D], gl.float32, AL)
@@ -326,10 +331,9 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
                     gl.sum(p[:, :, None] * vt.to(gl.float32), axis=0)
                 j += 2
             mx = gl.max(m, axis=0)
-            row = ((layer * H + h).to(gl.int64) * CAP + pos) * D + dd
             s_new = float("-inf")
-            if fresh:                           # this item holds key `pos`, written by this step
-                s_new = gl.sum(gl.load(KC + row, cache_modifier=".cg").to(gl.float32) * q, axis=0)
+            if fresh:                           # this item holds key `pos`
+                s_new = gl.sum(k_new.to(gl.float32) * q, axis=0)
                 mx = gl.maximum(mx, s_new)
             w = gl.exp2(m - gl.where(mx == float("-inf"), 0.0, mx))
             total = gl.sum(w * den, axis=0)
@@ -337,7 +341,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
             if fresh:
                 p_new = gl.exp2(s_new - mx)
                 total += p_new
-                o += p_new * gl.load(VC + row, cache_modifier=".cg").to(gl.float32)
+                o += p_new * v_new.to(gl.float32)
             gl.store(PO + it * D + dd, o)
             gl.store(PM + it, mx)
             gl.store(PL + it, total)
