@@ -163,9 +163,11 @@ def _take(j, ring, tab, plan, WK: gl.constexpr, VEC: gl.constexpr, SLOTS: gl.con
 
 
 @gluon.jit
-def _stage(vec, SRC, K, G, eps, NP: gl.constexpr, WK: gl.constexpr, NORMED: gl.constexpr, SLAY: gl.constexpr):
-    """vec (NP pieces of WK) fp32 in shared memory := SRC[:K] (zero past K); NORMED: SRC[:K] * G, and returns
-    the norm's rsqrt(mean(SRC^2) + eps) to scale the products by (else 1)."""
+def _stage(vec, SRC, K, G, eps, NP: gl.constexpr, WK: gl.constexpr, NORMED: gl.constexpr, SLAY: gl.constexpr,
+           WLAY: gl.constexpr):
+    """vec (NP pieces of WK) fp32 in shared memory := SRC[:K] (zero past K); NORMED: SRC[:K] * G. Returns the
+    norm's rsqrt(mean(SRC^2) + eps) to scale the products by (else 1) and vec's first piece in registers, laid
+    out for the tiles (_gemv)."""
     gl.thread_barrier()                  # the previous phase's reads of vec are done
     squares = gl.zeros([WK], gl.float32, SLAY)
     for p in gl.static_range(NP):
@@ -176,17 +178,21 @@ def _stage(vec, SRC, K, G, eps, NP: gl.constexpr, WK: gl.constexpr, NORMED: gl.c
             x = x * gl.load(G + offs, mask=offs < K, other=0.0).to(gl.float32)
         vec.index(p).store(x)
     gl.thread_barrier()
-    return gl.rsqrt(gl.sum(squares, axis=0) / K + eps) if NORMED else 1.0
+    first = vec.index(0).load(gl.SliceLayout(0, WLAY))
+    return gl.rsqrt(gl.sum(squares, axis=0) / K + eps) if NORMED else 1.0, first
 
 
 @gluon.jit
-def _gemv(j, ring, tab, plan, vec, NP: gl.constexpr, WK: gl.constexpr, VEC: gl.constexpr, SLOTS: gl.constexpr,
-          WLAY: gl.constexpr, EL: gl.constexpr):
-    """One chunk of WR rows: sum over its NP pieces of tile . vec[piece]; returns (out (WR,) fp32, next j)."""
+def _gemv(j, ring, tab, plan, vec, first, NP: gl.constexpr, WK: gl.constexpr, VEC: gl.constexpr,
+          SLOTS: gl.constexpr, WLAY: gl.constexpr, EL: gl.constexpr):
+    """One chunk of WR rows: sum over its NP pieces of tile . vec[piece]; returns (out (WR,) fp32, next j).
+    A vector of one piece comes from registers (`first`, _stage's): every warp needs all of it, so reading it
+    from shared memory per tile would read 8x the tile's bytes."""
     part = gl.zeros([WR, WK], gl.float32, WLAY)
     for p in range(NP):
         w = _take(j, ring, tab, plan, WK, VEC, SLOTS, WLAY, EL).load(WLAY)
-        part += w.to(gl.float32) * vec.index(p).load(gl.SliceLayout(0, WLAY))[None, :]
+        a = first if NP == 1 else vec.index(p).load(gl.SliceLayout(0, WLAY))
+        part += w.to(gl.float32) * a[None, :]
         j += 1
     return gl.sum(part, axis=1), j
 
@@ -196,12 +202,12 @@ def _residual(j, ring, tab, plan, vec, X, A, K, r0, r1, NP: gl.constexpr, PIECES
               VEC: gl.constexpr, SLOTS: gl.constexpr, WLAY: gl.constexpr, EL: gl.constexpr, SLAY: gl.constexpr):
     """X[r] += sum_k W[r, k] A[k] for this program's rows r0..r1 of the stream (the matrix's tiles come next in
     the ring, PIECES per chunk of rows); returns the next tile's index."""
-    _stage(vec, A, K, A, 0.0, NP, WK, False, SLAY)
+    _, first = _stage(vec, A, K, A, 0.0, NP, WK, False, SLAY, WLAY)
     rows = gl.arange(0, WR, layout=gl.SliceLayout(1, WLAY))
     for c in range(r0, r1, WR):
         rm = c + rows < r1
         x = gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg")    # before the tiles, to hide its latency
-        out, j = _gemv(j, ring, tab, plan, vec, PIECES, WK, VEC, SLOTS, WLAY, EL)
+        out, j = _gemv(j, ring, tab, plan, vec, first, PIECES, WK, VEC, SLOTS, WLAY, EL)
         gl.store(X + c + rows, x + out, mask=rm)
     return j
 
@@ -270,7 +276,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
         if layer > 0:
             nb += 1
             _grid_sync(BAR, nb * P)
-        rs = _stage(vec, X, d, NORMS + layer * 2 * d, eps, NP, WK, True, SLAY)
+        rs, first = _stage(vec, X, d, NORMS + layer * 2 * d, eps, NP, WK, True, SLAY, WLAY)
         for c in range(2 * u0, 2 * u1, WR):
             units = c // 2 + gl.arange(0, WR // 2, layout=UNITS)
             live = units < u1
@@ -279,7 +285,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
             head = units // DH % H
             cos = gl.load(COS + pos * DH + i)     # loaded before the tiles: their latency hides behind them
             sin = gl.load(SIN + pos * DH + i)
-            out, j = _gemv(j, ring, tab, plan, vec, PD, WK, VEC, SLOTS, WLAY, EL)
+            out, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
             out = out * rs
             lo, hi = gl.split(gl.reshape(gl.convert_layout(out, PAIRS), [WR // 2, 2]))
             lo = gl.convert_layout(lo, UNITS)
@@ -366,10 +372,10 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
         _grid_sync(BAR, nb * P)
 
         # 3 gate/up: HID[units] = silu(gate . xn) * (up . xn)
-        rs = _stage(vec, X, d, NORMS + (layer * 2 + 1) * d, eps, NP, WK, True, SLAY)
+        rs, first = _stage(vec, X, d, NORMS + (layer * 2 + 1) * d, eps, NP, WK, True, SLAY, WLAY)
         for c in range(n0, n1, WR):
-            g, j = _gemv(j, ring, tab, plan, vec, PD, WK, VEC, SLOTS, WLAY, EL)
-            u, j = _gemv(j, ring, tab, plan, vec, PD, WK, VEC, SLOTS, WLAY, EL)
+            g, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
+            u, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
             g = g * rs
             u = u * rs
             gl.store(HID + c + rows, g / (1.0 + gl.exp2(-g * LOG2E)) * u, mask=c + rows < n1)
@@ -382,9 +388,9 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
     _grid_sync(BAR, nb * P)
 
     # head: LOGITS[rows] = W_head[rows] . rms_norm(X) * norm_f
-    rs = _stage(vec, X, d, NORM_F, eps, NP, WK, True, SLAY)
+    rs, first = _stage(vec, X, d, NORM_F, eps, NP, WK, True, SLAY, WLAY)
     for c in range(v0, v1, WR):
-        out, j = _gemv(j, ring, tab, plan, vec, PD, WK, VEC, SLOTS, WLAY, EL)
+        out, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
         gl.store(LOGITS + c + rows, out * rs, mask=c + rows < v1)
     cp.wait_group(0)
 
