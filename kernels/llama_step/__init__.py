@@ -15,7 +15,7 @@ of even 150 small kernels loses more than that to launch gaps and each kernel's 
 SM owns a share of every phase's work and grid-wide barriers separate the phases (triton.py).
 
 Modules: reference.py (the same step in PyTorch), triton.py (the kernel and its launcher), gluon.py (the
-batch-1 kernel with explicit asynchronous copies, 15-23% faster than triton.py: docs/decoding.md).
+batch-1 kernel with explicit asynchronous copies, 14-23% less time than triton.py: docs/decoding.md).
 """
 from dataclasses import dataclass
 
