@@ -163,23 +163,29 @@ def _take(j, ring, tab, plan, WK: gl.constexpr, VEC: gl.constexpr, SLOTS: gl.con
 
 
 @gluon.jit
-def _stage(vec, SRC, K, G, eps, NP: gl.constexpr, WK: gl.constexpr, NORMED: gl.constexpr, SLAY: gl.constexpr,
+def _gains(G, K, NP: gl.constexpr, WK: gl.constexpr, SLAY: gl.constexpr):
+    """A norm's scales G[:K] (zero past K) in registers for _stage. Loaded before the grid barrier ahead of the
+    stage: they do not depend on the step, and each layer's are a miss to HBM on the stage's path otherwise."""
+    offs = gl.arange(0, NP * WK, layout=SLAY)
+    return gl.load(G + offs, mask=offs < K, other=0.0).to(gl.float32)
+
+
+@gluon.jit
+def _stage(vec, SRC, K, gain, eps, NP: gl.constexpr, WK: gl.constexpr, NORMED: gl.constexpr, SLAY: gl.constexpr,
            WLAY: gl.constexpr):
-    """vec (NP pieces of WK) fp32 in shared memory := SRC[:K] (zero past K); NORMED: SRC[:K] * G. Returns the
-    norm's rsqrt(mean(SRC^2) + eps) to scale the products by (else 1) and vec's first piece in registers, laid
-    out for the tiles (_gemv)."""
+    """vec (NP pieces of WK) fp32 in shared memory := SRC[:K] (zero past K); NORMED: SRC[:K] * gain (_gains).
+    Returns the norm's rsqrt(mean(SRC^2) + eps) to scale the products by (else 1) and vec's first piece in
+    registers, laid out for the tiles (_gemv)."""
     gl.thread_barrier()                  # the previous phase's reads of vec are done
-    squares = gl.zeros([WK], gl.float32, SLAY)
-    for p in gl.static_range(NP):
-        offs = p * WK + gl.arange(0, WK, layout=SLAY)
-        x = gl.load(SRC + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
-        if NORMED:
-            squares += x * x
-            x = x * gl.load(G + offs, mask=offs < K, other=0.0).to(gl.float32)
-        vec.index(p).store(x)
+    offs = gl.arange(0, NP * WK, layout=SLAY)
+    x = gl.load(SRC + offs, mask=offs < K, other=0.0, cache_modifier=".cg")
+    squares = gl.sum(x * x, axis=0)
+    if NORMED:
+        x = x * gain
+    vec._reinterpret(gl.float32, [NP * WK], gl.SwizzledSharedLayout(1, 1, 1, order=[0])).store(x)
     gl.thread_barrier()
     first = vec.index(0).load(gl.SliceLayout(0, WLAY))
-    return gl.rsqrt(gl.sum(squares, axis=0) / K + eps) if NORMED else 1.0, first
+    return gl.rsqrt(squares / K + eps) if NORMED else 1.0, first
 
 
 @gluon.jit
@@ -202,7 +208,7 @@ def _residual(j, ring, tab, plan, vec, X, A, K, r0, r1, NP: gl.constexpr, PIECES
               VEC: gl.constexpr, SLOTS: gl.constexpr, WLAY: gl.constexpr, EL: gl.constexpr, SLAY: gl.constexpr):
     """X[r] += sum_k W[r, k] A[k] for this program's rows r0..r1 of the stream (the matrix's tiles come next in
     the ring, PIECES per chunk of rows); returns the next tile's index."""
-    _, first = _stage(vec, A, K, A, 0.0, NP, WK, False, SLAY, WLAY)
+    _, first = _stage(vec, A, K, 1.0, 0.0, NP, WK, False, SLAY, WLAY)
     rows = gl.arange(0, WR, layout=gl.SliceLayout(1, WLAY))
     for c in range(r0, r1, WR):
         rm = c + rows < r1
@@ -273,10 +279,11 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
     nb = 0
     for layer in range(L):
         # 0 qkv: RMSNorm, q/k/v rows (RoPE pairs are neighbours, pack_qkv), q to Q, k and v to the cache
+        gain = _gains(NORMS + layer * 2 * d, d, NP, WK, SLAY)
         if layer > 0:
             nb += 1
             _grid_sync(BAR, nb * P)
-        rs, first = _stage(vec, X, d, NORMS + layer * 2 * d, eps, NP, WK, True, SLAY, WLAY)
+        rs, first = _stage(vec, X, d, gain, eps, NP, WK, True, SLAY, WLAY)
         for c in range(2 * u0, 2 * u1, WR):
             units = c // 2 + gl.arange(0, WR // 2, layout=UNITS)
             live = units < u1
@@ -368,11 +375,12 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
 
         # 2 out: X[rows] += W_o[rows] . att
         j = _residual(j, ring, tab, plan, vec, X, ATT, HD, r0, r1, NP, PHD, WK, VEC, SLOTS, WLAY, EL, SLAY)
+        gain = _gains(NORMS + (layer * 2 + 1) * d, d, NP, WK, SLAY)
         nb += 1
         _grid_sync(BAR, nb * P)
 
         # 3 gate/up: HID[units] = silu(gate . xn) * (up . xn)
-        rs, first = _stage(vec, X, d, NORMS + (layer * 2 + 1) * d, eps, NP, WK, True, SLAY, WLAY)
+        rs, first = _stage(vec, X, d, gain, eps, NP, WK, True, SLAY, WLAY)
         for c in range(n0, n1, WR):
             g, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
             u, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
@@ -384,11 +392,12 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
 
         # 4 down: X[rows] += W_down[rows] . hid
         j = _residual(j, ring, tab, plan, vec, X, HID, F, r0, r1, NP, PF, WK, VEC, SLOTS, WLAY, EL, SLAY)
+    gain = _gains(NORM_F, d, NP, WK, SLAY)
     nb += 1
     _grid_sync(BAR, nb * P)
 
     # head: LOGITS[rows] = W_head[rows] . rms_norm(X) * norm_f
-    rs, first = _stage(vec, X, d, NORM_F, eps, NP, WK, True, SLAY, WLAY)
+    rs, first = _stage(vec, X, d, gain, eps, NP, WK, True, SLAY, WLAY)
     for c in range(v0, v1, WR):
         out, j = _gemv(j, ring, tab, plan, vec, first, PD, WK, VEC, SLOTS, WLAY, EL)
         gl.store(LOGITS + c + rows, out * rs, mask=c + rows < v1)
