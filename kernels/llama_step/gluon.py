@@ -212,7 +212,7 @@ def _residual(j, ring, tab, plan, vec, X, A, K, r0, r1, NP: gl.constexpr, PIECES
     rows = gl.arange(0, WR, layout=gl.SliceLayout(1, WLAY))
     for c in range(r0, r1, WR):
         rm = c + rows < r1
-        x = gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg")    # before the tiles, to hide its latency
+        x = gl.load(X + c + rows, mask=rm, other=0.0, cache_modifier=".cg")   # issued before the tiles: hidden
         out, j = _gemv(j, ring, tab, plan, vec, first, PIECES, WK, VEC, SLOTS, WLAY, EL)
         gl.store(X + c + rows, x + out, mask=rm)
     return j
@@ -322,6 +322,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
             q = gl.load(Q + h * D + dd, cache_modifier=".cg") * qk_scale
             q3 = gl.expand_dims(gl.expand_dims(q, 0), 0)
             # key and value `pos` (this step's, written before the barrier) loaded before the tiles, used after
+            # (`dd < D` only makes the mask a tensor)
             row = ((layer * H + h).to(gl.int64) * CAP + pos) * D + dd
             k_new = gl.load(KC + row, mask=fresh & (dd < D), other=0.0, cache_modifier=".cg")
             v_new = gl.load(VC + row, mask=fresh & (dd < D), other=0.0, cache_modifier=".cg")
