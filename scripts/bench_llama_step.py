@@ -4,9 +4,11 @@ memory-bandwidth bound, with its grid barriers alone next to it (the floor the p
     python -m scripts.bench_llama_step --ctx 4096 32768 --bandwidth-gbs 4800
     python -m scripts.bench_llama_step --ctx 4096 --variants "" programs=264 "stages=4 num_warps=8"
     python -m scripts.bench_llama_step --ctx 4096 32768 --gluon      # the Gluon kernel (gluon.py) after them
+    python -m scripts.bench_llama_step --ctx 4096 --capacity 32768   # a 4K context in a cache of 32K rows
 
 Random bf16 weights at the Transformer (LLaMA) 360M shapes (24 layers, d 1024, 16 heads of 64, F 2816, vocabulary
-50304), batch 1, the cache filled to ctx rows. A variant is decode_step_triton keyword arguments (space-separated
+50304), batch 1, the cache filled to ctx rows (of --capacity, default ctx: a step should cost what its
+context does, not what its cache could hold). A variant is decode_step_triton keyword arguments (space-separated
 KEY=VALUE, Python literals); "" is the defaults. The bound reads every weight and the whole cache once.
 """
 import argparse
@@ -64,8 +66,11 @@ def main():
     p.add_argument("--variants", nargs="+", default=[""], help="decode_step_triton keyword sets, e.g. stages=4")
     p.add_argument("--bandwidth-gbs", type=float, default=3350, help="HBM bandwidth of the bound, GB/s")
     p.add_argument("--gluon", action="store_true", help="also time kernels/llama_step/gluon.py (Hopper or newer)")
+    p.add_argument("--capacity", type=int, help="cache rows allocated (default: ctx)")
     args = p.parse_args()
     variants = [(text, parse_variant(text)) for text in args.variants]   # bad ones refused before any work
+    if args.capacity and args.capacity < max(args.ctx):
+        raise SystemExit(f"--capacity {args.capacity} is below --ctx {max(args.ctx)}: the cache must hold the context")
     if not torch.cuda.is_available():
         raise SystemExit("bench_llama_step times a CUDA kernel: no GPU here")
     dev = torch.device("cuda")
@@ -80,14 +85,16 @@ def main():
         cos, sin = rope_tables(s["D"], ctx, 10000.0, dev)
         w = LlamaStepWeights.random(s["L"], s["H"], s["D"], s["d"], s["F"], s["V"], cos, sin, torch.bfloat16,
                                     torch.Generator(dev).manual_seed(0), scale=0.02)
-        k = torch.randn(s["L"], 1, s["H"], ctx, s["D"], device=dev, dtype=torch.bfloat16)
+        capacity = args.capacity or ctx
+        k = torch.randn(s["L"], 1, s["H"], capacity, s["D"], device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         x = torch.randn(1, s["d"], device=dev, dtype=torch.bfloat16)   # the launcher copies it to fp32
         position = torch.tensor([ctx - 1], device=dev)
         matrices = (w.wqkv, w.wo, w.wgu, w.wd, w.head)
-        nbytes = sum(t.numel() * t.element_size() for t in (*matrices, k, v))
+        nbytes = sum(t.numel() * t.element_size() for t in (*matrices, k[:, :, :, :ctx], v[:, :, :, :ctx]))
         bound = nbytes / args.bandwidth_gbs / 1e6
-        print(f"ctx {ctx}: bound {bound:.3f} ms ({nbytes / 1e9:.2f} GB at {args.bandwidth_gbs:.0f} GB/s)")
+        print(f"ctx {ctx} (cache of {capacity}): bound {bound:.3f} ms ({nbytes / 1e9:.2f} GB at "
+              f"{args.bandwidth_gbs:.0f} GB/s)")
         for text, kw in variants:
             ms = replay_ms(lambda: decode_step_triton(x, position, w, k, v, 1e-5, **kw))
             print(f"  {text or 'defaults':28s} {ms:.3f} ms ({ms / bound:.2f}x the bound)")

@@ -180,8 +180,8 @@ for dtype, size, B, d, F, H, D in [tuple(x if i == 0 else int(x) for i, x in enu
                                    for c in sys.argv[1:]]:
     types = {n: "*fp32" for n in "X Q PO PM PL ATT HID LOGITS COS SIN".split()}
     types.update(BAR="*i32", CNT="*i32", POS="*i64", eps="fp32", qk_scale="fp32", **{n: "*" + dtype for n in weights})
-    types.update({n: "i32" for n in "B d H F V CAP S SPLIT L ph0 ph1".split()})
-    _, _, constants = launch_constants(B, d, F, H, D, 32768, size, 132)
+    types.update({n: "i32" for n in "B d H F V CAP S L ph0 ph1".split()})
+    _, constants = launch_constants(B, d, F, H, D, 32768, size, 132)
     constants["SYNC"] = True
     types.update({n: "constexpr" for n in constants})
     src = ASTSource(_llama_step_kernel, {n: types[n] for n in names},
@@ -214,7 +214,7 @@ for dtype, size, d, F, H, D, CAP in [tuple(x if i == 0 else int(x) for i, x in e
     types.update(BAR="*i32", CNT="*i32", POS="*i64", eps="fp32", qk_scale="fp32", **{n: "*" + dtype for n in weights})
     types.update({n: "i32" for n in "d H F V CAP L".split()})
     types.update({n: "i64" for n in "base_wo base_wgu base_wd base_wh base_kc base_vc".split()})
-    _, _, constants = launch_constants(d, F, H, D, 50304, CAP, size, 132)
+    _, constants = launch_constants(d, F, H, D, 50304, CAP, size, 132)
     types.update({n: "constexpr" for n in constants})
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
                if types[n].startswith("*") or n in ("d", "F", "CAP", "V")}

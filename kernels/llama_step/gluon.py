@@ -27,7 +27,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-from kernels.llama_step.triton import _grid_sync, _share
+from kernels.llama_step.triton import _grid_sync, _share, _split_keys
 from kernels.triton_utils import LOG2E
 
 WR = gl.constexpr(8)   # rows per weight tile
@@ -37,10 +37,10 @@ SHARED_BYTES = 232448 - 24576  # Hopper's shared memory per program, less the co
 
 
 @gluon.jit
-def _item_keys(it, S, SPLIT, pos):
+def _item_keys(it, S, split, pos):
     """(head, first key, end of its ring keys, whether it holds key `pos`) of attention item it = h * S + s."""
-    t0 = it % S * SPLIT
-    return it // S, t0, gl.minimum(t0 + SPLIT, pos), (t0 <= pos) & (pos < t0 + SPLIT)
+    t0 = it % S * split
+    return it // S, t0, gl.minimum(t0 + split, pos), (t0 <= pos) & (pos < t0 + split)
 
 
 @gluon.jit
@@ -63,7 +63,7 @@ def _where(sel, entry, tile, step, K):
 @gluon.jit
 def _build_schedule(tab, plan, d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
                     WK: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, VEC: gl.constexpr, TMAX: gl.constexpr,
-                    PD: gl.constexpr, PF: gl.constexpr, PHD: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr,
+                    PD: gl.constexpr, PF: gl.constexpr, PHD: gl.constexpr, S: gl.constexpr, split,
                     TL: gl.constexpr):
     """Fill tab (TMAX, 4) int64 with this program's tiles of one layer, then the head's: (element offset from
     WQKV for layer 0, the offset's step per layer, row stride, rows | columns / VEC << 16 | columns of the row
@@ -81,7 +81,7 @@ def _build_schedule(tab, plan, d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd,
     a = e - n_qkv
     start = 0
     for it in range(i0, i1):
-        h, t0, tr, fresh = _item_keys(it, S, SPLIT, pos)
+        h, t0, tr, fresh = _item_keys(it, S, split, pos)
         n = 2 * gl.cdiv(gl.maximum(tr - t0, 0), BT)
         sel = (a >= start) & (a < start + n)
         t = t0 + (a - start) // 2 * BT
@@ -222,7 +222,7 @@ def _residual(j, ring, tab, plan, vec, X, A, K, r0, r1, NP: gl.constexpr, PIECES
 def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
                       WQKV, WO, WGU, WD, NORMS, NORM_F, WH, COS, SIN, KC, VC,
                       d, H, F, V, CAP, L, eps, qk_scale, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
-                      D: gl.constexpr, S: gl.constexpr, SPLIT: gl.constexpr, SP2: gl.constexpr, WK: gl.constexpr,
+                      D: gl.constexpr, S: gl.constexpr, SP2: gl.constexpr, WK: gl.constexpr,
                       BT: gl.constexpr, NP: gl.constexpr, PD: gl.constexpr, PF: gl.constexpr, PHD: gl.constexpr,
                       SLOTS: gl.constexpr, VEC: gl.constexpr, TMAX: gl.constexpr):
     num_warps: gl.constexpr = gl.num_warps()
@@ -249,6 +249,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
 
     P = gl.num_programs(0)
     pos = gl.load(POS).to(gl.int32)
+    split = _split_keys(pos, S, BT)
     HD = H * D
     DH = D // 2
     u0, u1 = _share(3 * H * DH, P)
@@ -258,7 +259,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
     v0, v1 = _share(V, P)
     n_att = 0
     for it in range(i0, i1):
-        h, t0, tr, fresh = _item_keys(it, S, SPLIT, pos)
+        h, t0, tr, fresh = _item_keys(it, S, split, pos)
         n_att += 2 * gl.cdiv(gl.maximum(tr - t0, 0), BT)
     n_qkv = gl.cdiv(2 * (u1 - u0), WR) * PD
     n_out = gl.cdiv(r1 - r0, WR) * PHD
@@ -268,7 +269,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
     n_head = gl.cdiv(v1 - v0, WR) * PD
     _build_schedule(tab, (u0, u1, i0, i1, r0, r1, n0, n1, v0, v1, n_qkv, n_att, n_out, n_gu, per_layer),
                     d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
-                    WK, BT, D, VEC, TMAX, PD, PF, PHD, S, SPLIT, TL)
+                    WK, BT, D, VEC, TMAX, PD, PF, PHD, S, split, TL)
     tab = tab._reinterpret(gl.int64, [TMAX, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     plan = (WQKV, L * per_layer + n_head, L, per_layer, 1.0 / per_layer.to(gl.float32))
     for s in gl.static_range(SLOTS - 1):
@@ -318,7 +319,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
         kidx = gl.arange(0, R, layout=gl.SliceLayout(1, SC))[:, None] * KG + \
             gl.arange(0, KG, layout=gl.SliceLayout(0, SC))[None, :]
         for it in range(i0, i1):
-            h, t0, tr, fresh = _item_keys(it, S, SPLIT, pos)
+            h, t0, tr, fresh = _item_keys(it, S, split, pos)
             q = gl.load(Q + h * D + dd, cache_modifier=".cg") * qk_scale
             q3 = gl.expand_dims(gl.expand_dims(q, 0), 0)
             # key and value `pos` (this step's, written before the barrier) loaded before the tiles, used after
@@ -406,7 +407,8 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
 
 
 def launch_constants(d, F, H, D, V, CAP, element_size, programs):
-    """(S splits of SPLIT keys per head, the kernel's compile-time constants) for these sizes."""
+    """(S splits of the keys per head, the kernel's compile-time constants) for these sizes. A split holds at
+    most `split` keys (_split_keys at the last position), which bounds the schedule."""
     elements = SLOT_BYTES // element_size
     WK, BT = elements // WR.value, elements // D
     pieces = dict(PD=triton.cdiv(d, WK), PF=triton.cdiv(F, WK), PHD=triton.cdiv(H * D, WK))
@@ -424,7 +426,7 @@ def launch_constants(d, F, H, D, V, CAP, element_size, programs):
     if slots < 3:
         raise ValueError(f"the Gluon decode step's schedule of {TMAX} tiles leaves no room for its ring: "
                          f"use impl='triton'")
-    return S, split, dict(D=D, S=S, SPLIT=split, SP2=triton.next_power_of_2(S), WK=WK, BT=BT, NP=NP, SLOTS=slots,
+    return S, dict(D=D, S=S, SP2=triton.next_power_of_2(S), WK=WK, BT=BT, NP=NP, SLOTS=slots,
                           VEC=16 // element_size, TMAX=TMAX, **pieces)
 
 
@@ -453,7 +455,7 @@ def decode_step_gluon(x, position, w, k_cache, v_cache, eps, programs=None):
     L, B, H, CAP, D = k_cache.shape
     d, F, V = x.size(1), w.wd.size(2), w.head.size(0)
     P = programs or torch.cuda.get_device_properties(x.device).multi_processor_count
-    S, split, constants = launch_constants(d, F, H, D, V, CAP, w.wqkv.element_size(), P)
+    S, constants = launch_constants(d, F, H, D, V, CAP, w.wqkv.element_size(), P)
     # every tile is addressed from WQKV: the other tensors as element offsets from it
     offsets = [(t.data_ptr() - w.wqkv.data_ptr()) // t.element_size()
                for t in (w.wo, w.wgu, w.wd, w.head, k_cache, v_cache)]

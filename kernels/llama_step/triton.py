@@ -118,13 +118,20 @@ if triton is not None:
             tl.store(VC + kv + DH, hi.to(VC.dtype.element_ty), mask=live & (kind == 2)[None, :])
 
     @triton.jit
+    def _split_keys(pos, S, BLOCK_T):
+        """Keys per split at this step: the keys 0..pos dealt over the S splits of a head in whole tiles of
+        BLOCK_T. Splits of the capacity instead would leave all but the first few empty while pos is far below
+        it, and every step as slow as one over a full cache."""
+        return tl.cdiv(tl.cdiv(pos + 1, S), BLOCK_T) * BLOCK_T
+
+    @triton.jit
     def _split_range(it, S, SPLIT, pos):
         """(b * H + h, first key, end) of attention item it = (b * H + h) * S + s."""
         t0 = it % S * SPLIT
         return it // S, t0, tl.minimum(t0 + SPLIT, pos + 1)
 
     @triton.jit
-    def _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, SPLIT, qk_scale, P,
+    def _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, qk_scale, P,
                     D: tl.constexpr, SP2: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
                     NS: tl.constexpr):
         """Split-KV attention: each item (b, h, split) leaves its partial (unnormalised output, base-2 max, sum);
@@ -133,6 +140,7 @@ if triton is not None:
         once after the last tile: a tile's reductions then stay inside a warp (a tile-wide max and sum cost two
         cross-warp reductions per tile). A group can see only masked keys, so its max may be -inf: m_safe."""
         dd = tl.arange(0, D)
+        SPLIT = _split_keys(pos, S, BLOCK_T)
         i0, i1 = _share(B * H * S, P)
         for it in range(i0, i1):
             bh, t0, t1 = _split_range(it, S, SPLIT, pos)
@@ -204,7 +212,7 @@ if triton is not None:
     @triton.jit
     def _llama_step_kernel(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
                            WQKV, WO, WGU, WD, NORMS, NORM_F, WH, COS, SIN, KC, VC,
-                           B, d, H, F, V, CAP, S, SPLIT, L, eps, qk_scale, ph0, ph1,
+                           B, d, H, F, V, CAP, S, L, eps, qk_scale, ph0, ph1,
                            D: tl.constexpr, SP2: tl.constexpr, BP2: tl.constexpr, DP: tl.constexpr,
                            FP: tl.constexpr, HDP: tl.constexpr, CH_D: tl.constexpr, CH_F: tl.constexpr,
                            CH_HD: tl.constexpr, KB: tl.constexpr, BLOCK_T: tl.constexpr, GROUP: tl.constexpr,
@@ -224,7 +232,7 @@ if triton is not None:
                 _qkv_phase(X, WQKV + layer.to(tl.int64) * 3 * HD * d, NORMS + layer * 2 * d, Q, KC, VC,
                            COS, SIN, layer, pos, B, d, H, CAP, eps, P, D, BP2, DP, CH_D, KB, NS)
             elif stage == 1:
-                _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, SPLIT, qk_scale, P,
+                _attn_phase(Q, KC, VC, PO, PM, PL, CNT, ATT, layer, pos, B, H, CAP, S, qk_scale, P,
                             D, SP2, BLOCK_T, GROUP, NS)
             elif stage == 2:
                 _residual_phase(X, ATT, HD, WO + layer.to(tl.int64) * d * HD, HD, B, d, P, BP2, CH_HD, KB, HDP, NS)
@@ -244,9 +252,9 @@ def _chunk_rows(K, element_size, warps):
 
 
 def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3, warps=4):
-    """The kernel's compile-time constants and its split of the cache (S splits of SPLIT rows per (batch,
-    head)) for these sizes: what decode_step_triton launches, and what the tests compile for Hopper to check
-    that every supported shape fits its shared memory."""
+    """(S splits of the keys per (batch, head), the kernel's compile-time constants) for these sizes: what
+    decode_step_triton launches, and what the tests compile for Hopper to check that every supported shape fits
+    its shared memory."""
     BP2 = triton.next_power_of_2(B)
     # keys per attention tile: BLOCK_T, fewer where a tile's keys and values would pass 2 x TILE_BYTES
     block_t = max(16, min(BLOCK_T, 2 * TILE_BYTES // (2 * D * element_size)))
@@ -259,7 +267,7 @@ def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3, warps
 
     def whole_pieces(n):           # a row of n columns, padded to whole pieces (the masks cover the padding)
         return triton.cdiv(n, KB) * KB
-    return S, split, dict(
+    return S, dict(
         D=D, SP2=triton.next_power_of_2(S), BP2=BP2, DP=whole_pieces(d), FP=whole_pieces(F), HDP=whole_pieces(H * D),
         CH_D=_chunk_rows(d, element_size, warps), CH_F=_chunk_rows(F, element_size, warps),
         CH_HD=_chunk_rows(H * D, element_size, warps), KB=KB,
@@ -280,7 +288,7 @@ def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num
     on_gpu = x.is_cuda and not interpreting()
     P = programs or (torch.cuda.get_device_properties(x.device).multi_processor_count if on_gpu else 3)
     single_launch = on_gpu if single_launch is None else single_launch
-    S, split, constants = launch_constants(B, d, F, H, D, CAP, w.wqkv.element_size(), P, stages, num_warps)
+    S, constants = launch_constants(B, d, F, H, D, CAP, w.wqkv.element_size(), P, stages, num_warps)
     f32 = dict(device=x.device, dtype=torch.float32)
     X = x.float().contiguous()
     q, att = torch.empty(B, H, D, **f32), torch.empty(B, H, D, **f32)
@@ -295,6 +303,6 @@ def decode_step_triton(x, position, w, k_cache, v_cache, eps, programs=None, num
         _llama_step_kernel[(P,)](
             X, q, po, pm, pl, counters, att, hid, logits, counters[B * H:], position,
             w.wqkv, w.wo, w.wgu, w.wd, w.norms, w.norm_f, w.head, w.cos, w.sin, k_cache, v_cache,
-            B, d, H, F, V, CAP, S, split, L, eps, D ** -0.5 * LOG2E.value, ph0, ph1,
+            B, d, H, F, V, CAP, S, L, eps, D ** -0.5 * LOG2E.value, ph0, ph1,
             SYNC=single_launch, num_warps=num_warps, **constants, **extra)
     return logits
