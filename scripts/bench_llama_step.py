@@ -60,17 +60,23 @@ def parse_variant(text):
                          f"e.g. \"stages=4 num_warps=8\" (\"\" for the defaults)") from None
 
 
-def main():
+def parse(argv=None):
+    """(the options, the variants as (text, keyword arguments)); a bad option exits with its fix, before any work."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="cache rows filled")
     p.add_argument("--variants", nargs="+", default=[""], help="decode_step_triton keyword sets, e.g. stages=4")
     p.add_argument("--bandwidth-gbs", type=float, default=3350, help="HBM bandwidth of the bound, GB/s")
     p.add_argument("--gluon", action="store_true", help="also time kernels/llama_step/gluon.py (Hopper or newer)")
     p.add_argument("--capacity", type=int, help="cache rows allocated (default: ctx)")
-    args = p.parse_args()
-    variants = [(text, parse_variant(text)) for text in args.variants]   # bad ones refused before any work
+    args = p.parse_args(argv)
+    variants = [(text, parse_variant(text)) for text in args.variants]
     if args.capacity and args.capacity < max(args.ctx):
         raise SystemExit(f"--capacity {args.capacity} is below --ctx {max(args.ctx)}: the cache must hold the context")
+    return args, variants
+
+
+def main():
+    args, variants = parse()
     if not torch.cuda.is_available():
         raise SystemExit("bench_llama_step times a CUDA kernel: no GPU here")
     dev = torch.device("cuda")

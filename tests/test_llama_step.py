@@ -16,6 +16,7 @@ from kernels.llama_step.triton import decode_step_triton
 from kernels.triton_utils import interpreting
 from model.gpt import GPT, rope_tables
 from model.sampling import FusedDecodeStep, fused_step_unsupported
+from scripts import bench_llama_step
 from tests.test_model import LLAMA, PRO, tiny
 
 needs_triton = pytest.mark.skipif(not (torch.cuda.is_available() or interpreting()),
@@ -296,3 +297,12 @@ def test_gluon_step_equals_the_reference(dtype, tol):
         w, k, v, x = random_step(L, 1, H, D, d, F, V, CAP, dtype, "cuda", seed=CAP)
         for pos in (0, 37, CAP - 1):
             assert_step_equals_the_reference("gluon", w, k, v, x, pos, tol)
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--ctx", "4096", "--capacity", "100"], "--capacity 100 is below --ctx 4096: the cache must hold the context"),
+    (["--variants", "stages"], "--variants 'stages': write space-separated KEY=VALUE pairs")])
+def test_bench_llama_step_options_are_checked_before_any_work(args, says):
+    with pytest.raises(SystemExit) as exit_:
+        bench_llama_step.parse(args)
+    assert says in str(exit_.value.code)
