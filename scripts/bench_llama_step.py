@@ -70,7 +70,7 @@ def parse(argv=None):
     p.add_argument("--capacity", type=int, help="cache rows allocated (default: ctx)")
     args = p.parse_args(argv)
     variants = [(text, parse_variant(text)) for text in args.variants]
-    if args.capacity and args.capacity < max(args.ctx):
+    if args.capacity is not None and args.capacity < max(args.ctx):
         raise SystemExit(f"--capacity {args.capacity} is below --ctx {max(args.ctx)}: the cache must hold the context")
     return args, variants
 
@@ -91,7 +91,7 @@ def main():
         cos, sin = rope_tables(s["D"], ctx, 10000.0, dev)
         w = LlamaStepWeights.random(s["L"], s["H"], s["D"], s["d"], s["F"], s["V"], cos, sin, torch.bfloat16,
                                     torch.Generator(dev).manual_seed(0), scale=0.02)
-        capacity = args.capacity or ctx
+        capacity = ctx if args.capacity is None else args.capacity
         k = torch.randn(s["L"], 1, s["H"], capacity, s["D"], device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         x = torch.randn(1, s["d"], device=dev, dtype=torch.bfloat16)   # the launcher copies it to fp32

@@ -301,6 +301,7 @@ def test_gluon_step_equals_the_reference(dtype, tol):
 
 @pytest.mark.parametrize("args, says", [
     (["--ctx", "4096", "--capacity", "100"], "--capacity 100 is below --ctx 4096: the cache must hold the context"),
+    (["--ctx", "4096", "--capacity", "0"], "--capacity 0 is below --ctx 4096"),
     (["--variants", "stages"], "--variants 'stages': write space-separated KEY=VALUE pairs")])
 def test_bench_llama_step_options_are_checked_before_any_work(args, says):
     with pytest.raises(SystemExit) as exit_:

@@ -61,7 +61,7 @@ def _where(sel, entry, tile, step, K):
 
 
 @gluon.jit
-def _build_schedule(tab, plan, d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
+def _build_schedule(tab, plan, d, F, H, CAP, pos, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
                     WK: gl.constexpr, BT: gl.constexpr, D: gl.constexpr, VEC: gl.constexpr, TMAX: gl.constexpr,
                     PD: gl.constexpr, PF: gl.constexpr, PHD: gl.constexpr, S: gl.constexpr, split,
                     TL: gl.constexpr):
@@ -268,7 +268,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
     per_layer = n_qkv + n_att + n_out + n_gu + n_down
     n_head = gl.cdiv(v1 - v0, WR) * PD
     _build_schedule(tab, (u0, u1, i0, i1, r0, r1, n0, n1, v0, v1, n_qkv, n_att, n_out, n_gu, per_layer),
-                    d, F, H, CAP, pos, L, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
+                    d, F, H, CAP, pos, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
                     WK, BT, D, VEC, TMAX, PD, PF, PHD, S, split, TL)
     tab = tab._reinterpret(gl.int64, [TMAX, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     plan = (WQKV, L * per_layer + n_head, L, per_layer, 1.0 / per_layer.to(gl.float32))
