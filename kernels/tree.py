@@ -33,7 +33,7 @@ t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 
   merge_states(out, lse) -> merge of partial states stacked along dim 0, on one device.
   ring_decode / allgather_decode: the baselines (move K/V instead of states), same signature.
   RoundRobinRows: the rows of a sharded cache (model/cache.py's KVCache, kernels.castle.CastleCache).
-  Internal API (tests and scripts/bench_tree.py): attn_partial_triton, all_gather.
+  Internal API (tests and scripts/bench_tree.py): attn_partial_triton, split_states, all_gather.
 
 bias is any additive per-(query, key) logit term, broadcastable to (B, Hq, n, t), -inf excludes
 a key. It covers every attention variant of this repo, because each variant's logit for a cached
@@ -354,6 +354,8 @@ def sharded_cumsum(x_local, group=None):
 # ----------------------------------------------------------------------------- Triton kernel
 
 if triton is not None:
+    from kernels.triton_utils import split_keys
+
     _NEG = tl.constexpr(NEG)  # jit code may only read constexpr globals
 
     # scale is constexpr: torch.compile (Inductor) would pass a Python float as an fp64 scalar,
@@ -364,8 +366,8 @@ if triton is not None:
                        sbb, sbh, sbn, sbl, sob, soh, son, sos, slb, slh, sln, sls,
                        Hkv, n, rows_per_kv, L, Len, scale: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, TILES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       HAS_LEN: tl.constexpr, PREC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEN: tl.constexpr,
+                       PREC: tl.constexpr):
         # one program: one split of the keys x one KV head x a block of its query rows;
         # a row is (query head of the group, query token), so K/V tiles are read once per group
         split, bh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -379,31 +381,32 @@ if triton is not None:
         q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqn + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         keys = L
-        if HAS_LEN:  # a static step's filled rows, read on the device: tiles past them are skipped
+        if HAS_LEN:  # a static step's filled rows, read on the device: the splits share them, not the buffer
             keys = tl.minimum(tl.load(Len).to(tl.int32), L)
+        split_len = split_keys(keys, tl.num_programs(0), BLOCK_N)
+        first = split * split_len
+        end = tl.minimum(first + split_len, keys)
         m_i = tl.full([BLOCK_M], _NEG, tl.float32)  # finite start: all-masked tiles give p = 0
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for it in range(TILES):  # constexpr trip count (see attn_partial_triton)
-            start = (split * TILES + it) * BLOCK_N
-            if start < keys:
-                j = start + tl.arange(0, BLOCK_N)
-                j_ok = j < keys
-                kv_mask = j_ok[:, None] & d_ok[None, :]
-                jl = j.to(tl.int64)[:, None]
-                k = tl.load(K + b * skb + hk * skh + jl * skl + d[None, :], mask=kv_mask, other=0.0)
-                s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
-                if HAS_BIAS:
-                    s += tl.load(Bias + b * sbb + h[:, None] * sbh + i[:, None] * sbn + j[None, :] * sbl,
-                                 mask=row_ok[:, None] & j_ok[None, :], other=0.0)
-                s = tl.where(j_ok[None, :], s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                alpha = tl.exp(m_i - m_new)
-                p = tl.exp(s - m_new[:, None])
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(V + b * svb + hk * svh + jl * svl + d[None, :], mask=kv_mask, other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-                m_i = m_new
+        for start in range(first, end, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            j_ok = j < end
+            kv_mask = j_ok[:, None] & d_ok[None, :]
+            jl = j.to(tl.int64)[:, None]
+            k = tl.load(K + b * skb + hk * skh + jl * skl + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+            if HAS_BIAS:
+                s += tl.load(Bias + b * sbb + h[:, None] * sbh + i[:, None] * sbn + j[None, :] * sbl,
+                             mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(V + b * svb + hk * svh + jl * svl + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), _NEG)
         tl.store(Out + b * sob + h[:, None] * soh + i[:, None] * son + split * sos + d[None, :], out,
@@ -416,9 +419,17 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4,
-                        num_stages=3, length=None):
-    """attn_partial's Triton path, with the launch's knobs open (tests and scripts/bench_tree.py --sweep)."""
+def attn_partial_triton(q, k, v, scale, bias, length=None, **launch):
+    """attn_partial's Triton path; `launch`: split_states' knobs (tests and scripts/bench_tree.py --sweep)."""
+    o, lse = split_states(q, k, v, scale, bias, length=length, **launch)
+    if o.shape[3] == 1:
+        return o.squeeze(3), lse.squeeze(3)
+    return merge_states(o.movedim(3, 0), lse.movedim(3, 0))
+
+
+def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4, num_stages=3, length=None):
+    """The split-KV kernel's partial states before their merge: out (B, Hq, n, S, D), lse (B, Hq, n, S), fp32,
+    split s over keys s * m .. (s + 1) * m - 1 of the filled ones (split_keys: m whole tiles' worth)."""
     B, Hq, n, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
@@ -432,11 +443,7 @@ def attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num
     tiles = triton.cdiv(L, BLOCK_N)
     if num_splits is None:  # flash-decoding: enough programs to fill the GPU a few times over
         num_splits = triton.cdiv(4 * _num_sms(q.device), B * Hkv * m_blocks)
-    # tiles per split is a power of two and a compile-time constant: one compilation per octave
-    # of cache length, and no loop with a run-time bound (which TRITON_INTERPRET=1 mishandles
-    # with numpy >= 2.4)
-    split_tiles = triton.next_power_of_2(triton.cdiv(tiles, num_splits))
-    num_splits = triton.cdiv(tiles, split_tiles)
+    num_splits = triton.cdiv(tiles, triton.cdiv(tiles, num_splits))  # none empty when the cache is full
     o = q.new_empty(B, Hq, n, num_splits, D, dtype=torch.float32)
     lse = q.new_empty(B, Hq, n, num_splits, dtype=torch.float32)
     if bias is not None:
@@ -447,10 +454,7 @@ def attn_partial_triton(q, k, v, scale, bias, num_splits=None, block_n=None, num
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bstrides,
         *o.stride()[:4], *lse.stride(),
         Hkv, n, rows, L, length if length is not None else q, scale,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, TILES=split_tiles,
-        HAS_BIAS=bias is not None, HAS_LEN=length is not None,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BIAS=bias is not None, HAS_LEN=length is not None,
         PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)
-    if num_splits == 1:
-        return o.squeeze(3), lse.squeeze(3)
-    return merge_states(o.movedim(3, 0), lse.movedim(3, 0))
+    return o, lse

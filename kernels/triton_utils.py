@@ -18,6 +18,8 @@
   behind every layer's fused RMSNorm, stalled Baseline-S's compile for minutes. pytorch/pytorch#185951
   made the line lazy.
 - `LOG2E`: the kernels' softmaxes run in base 2 (exp2 / log2), with log2(e) folded into the logits.
+- `split_keys(keys, S, BLOCK)` (@triton.jit): how split-KV decoding deals a head's filled cache rows over its S
+  splits.
 - `padded_head_dim(D)`: the head dim the kernels' tiles take; `at_least_fp32(dtype)`: the dtype
   statistics and torch references compute in.
 """
@@ -84,6 +86,14 @@ if triton is not None and inductor_formats_fallbacks_eagerly():
 
 if triton is not None:
     LOG2E = tl.constexpr(1.4426950408889634)  # softmax runs in base 2; log-sum-exps are stored in log2 units
+
+    @triton.jit
+    def split_keys(keys, S, BLOCK):
+        """Keys per split of a decode step: the `keys` filled rows of a head dealt over its S splits in whole tiles
+        of BLOCK (split s reads rows s * split .. (s + 1) * split - 1 of them). Splits of the cache's capacity
+        instead would leave all but the first few empty while the cache is far from full, and every step as slow
+        as one over a full cache."""
+        return tl.cdiv(tl.cdiv(keys, S), BLOCK) * BLOCK
 
     def _patch_interpreter():
         """The three work-arounds of the module docstring, installed once into Triton's interpreter."""

@@ -8,12 +8,14 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
     python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --fused   # + the single-launch LLaMA step
     python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --profile   # + where a step's time goes
     python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --inductor max_autotune=True   # Inductor options
+    python -m scripts.bench_decode --batch 1 --ctx 4096 --capacity 32768 --fused   # 4K tokens of a 32K generation
     python -m scripts.bench_decode --device cpu --model tiny --ctx 64 --n 4 --batch 1   # smoke test
 
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
 with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
 ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
-greedily: GPT.generate_stream without and with cuda_graph (--compiled, --autotuned, --fused: also those modes),
+greedily (of a generation of --capacity - ctx + n tokens when given: the cache then holds --capacity positions,
+as generate sizes it for a long generation, while the first n are timed): GPT.generate_stream without and with cuda_graph (--compiled, --autotuned, --fused: also those modes),
 transformers' generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache.
 Each of ours is timed twice, after the first few steps (a graph's warm-up steps and capture): ms/token is the
 mean time of the later steps when nothing reads them as they come (as GPT.generate: with a CUDA graph the host
@@ -34,6 +36,7 @@ import argparse
 import ast
 import functools
 import gc
+import itertools
 import statistics
 import tempfile
 import time
@@ -60,6 +63,8 @@ def parse(argv=None):
     p.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     p.add_argument("--ctx", type=int, nargs="+", default=[4096, 32768], help="tokens in the cache after decoding")
     p.add_argument("--n", type=int, default=64, help="decoded tokens per row")
+    p.add_argument("--capacity", type=int, default=None, help="positions the cache holds (default: each ctx): "
+                   "the timed tokens are the first n of a generation that fills it")
     p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill step")
     p.add_argument("--bandwidth-gbs", type=float, default=3350.0, help="memory bandwidth of the bound, GB/s")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
@@ -92,6 +97,8 @@ def parse(argv=None):
     bad = [c for c in args.ctx if c <= args.n]
     if bad:
         p.error(f"--ctx {bad} must exceed --n {args.n}: the prompt is ctx - n tokens")
+    if args.capacity is not None and args.capacity < max(args.ctx):
+        p.error(f"--capacity {args.capacity} must be at least every --ctx (largest {max(args.ctx)})")
     return args
 
 
@@ -165,10 +172,12 @@ def peak_gib(device):
     return f"{torch.cuda.max_memory_allocated(device) / 2 ** 30:.2f}" if device.type == "cuda" else "-"
 
 
-def time_ours(model, prompt, n, cuda_graph, prefill_chunk):
-    """(ms/token with nothing waiting for the tokens, ms/token with the host waiting for each)."""
+def time_ours(model, prompt, n, total, cuda_graph, prefill_chunk):
+    """(ms/token with nothing waiting for the tokens, ms/token with the host waiting for each) over the first n
+    tokens of a generation of `total`."""
     def stream():
-        return model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
+        return itertools.islice(model.generate_stream(prompt, total, temperature=0, prefill_chunk=prefill_chunk,
+                                                      cuda_graph=cuda_graph), n)
 
     stamps = []
     for _ in stream():
@@ -184,10 +193,10 @@ def time_ours(model, prompt, n, cuda_graph, prefill_chunk):
     return 1e3 * (time.perf_counter() - start) / count, per_token_ms(stamps)
 
 
-def profile_ours(model, prompt, n, cuda_graph, prefill_chunk):
+def profile_ours(model, prompt, total, cuda_graph, prefill_chunk):
     """The GPU kernels of PROFILED_STEPS decode steps after the skipped ones (bench_train.kernel_summary)."""
     from torch.profiler import ProfilerActivity, profile
-    stream = model.generate_stream(prompt, n, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
+    stream = model.generate_stream(prompt, total, temperature=0, prefill_chunk=prefill_chunk, cuda_graph=cuda_graph)
     for _ in range(SKIPPED_STEPS + 1):
         next(stream)
     synchronize(prompt.device)
@@ -242,6 +251,7 @@ def main(argv=None):
         return export_random(model, args.export_hf)
     print(f"{name}: {model.num_params() / 1e6:.1f}M parameters, {str(dtype).removeprefix('torch.')} on {device}; "
           f"bound at {args.bandwidth_gbs:g} GB/s (--bandwidth-gbs; 3350 GB/s: H100 SXM)"
+          + (f"; a cache of {args.capacity} positions" if args.capacity else "")
           + "".join(f"; inductor {k}={v!r}" for k, v in args.inductor.items()))
     if not graph:
         print(f"no CUDA graph on {device.type}: eager rows only")
@@ -258,13 +268,14 @@ def main(argv=None):
             bound_ms = 1e3 * (weight_bytes(model) + cache_bytes(model.new_cache(B, ctx, device="meta"))) / (
                 args.bandwidth_gbs * 1e9)
             prompt = torch.randint(0, n_tokens, (B, ctx - args.n), device=device)
+            total = (args.capacity or ctx) - prompt.shape[1]          # tokens the generation would decode
             fused = args.fused and B <= FUSED_MAX_BATCH
             if args.fused and not fused:
                 print(f"skip cuda_graph=fused at batch {B}: it takes up to {FUSED_MAX_BATCH} rows")
             ours = [False] + ([True] + ["compiled"] * args.compiled + ["autotuned"] * args.autotuned
                               + ["fused"] * fused if graph else [])                   # cuda_graph values
             runs = [("eager" if not g else f"cuda_graph={g}", g,
-                     lambda g=g: time_ours(model, prompt, args.n, g, args.prefill_chunk)) for g in ours]
+                     lambda g=g: time_ours(model, prompt, args.n, total, g, args.prefill_chunk)) for g in ours]
             if hf_model is not None:
                 runs += [(f"transformers {impl} cache", None, lambda impl=impl: time_hf(hf_model, prompt, args.n, impl))
                          for impl in ("dynamic", "static")]
@@ -281,7 +292,7 @@ def main(argv=None):
                              f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device)))
                 print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token ({waited_ms:.3f} waited)", flush=True)
                 if args.profile and cuda_graph is not None:
-                    print(profile_ours(model, prompt, args.n, cuda_graph, args.prefill_chunk), flush=True)
+                    print(profile_ours(model, prompt, total, cuda_graph, args.prefill_chunk), flush=True)
     header = ("batch", "ctx", "model", "mode", "ms/token", "waited ms/token", "tokens/s", "bound ms", "x bound",
               "peak GiB")
     print("\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +

@@ -373,8 +373,9 @@ def run_bench_decode(*args):
 
 
 def test_bench_decode_smoke():
-    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "6")
+    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "6", "--capacity", "96")
     assert out.returncode == 0, out.stderr
+    assert "a cache of 96 positions" in out.stdout
     lines = out.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("| batch"))
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
@@ -387,6 +388,7 @@ def test_bench_decode_smoke():
 @pytest.mark.parametrize("args, says", [
     (["--n", "8", "--profile"], "--n must exceed 12"),
     (["--n", "4"], "--n must be >= 5: the first 4 tokens are not timed"),
+    (["--capacity", "63"], "--capacity 63 must be at least every --ctx (largest 64)"),
     (["--inductor", "max_autotun=True"], "'max_autotun=True' is not KEY=VALUE"),
     (["--inductor", "max_autotune"], "'max_autotune' is not KEY=VALUE"),
     (["--inductor", "max_autotune=yes"], "'max_autotune=yes': the value must be a Python literal")])

@@ -457,7 +457,7 @@ def test_triton_matches_torch(B, Hq, Hkv, n, D, L, splits, dtype):
 @pytest.mark.parametrize("length,splits,bias", [
     (1, None, False),     # one filled row
     (37, 4, True),        # inside a tile, later splits empty; FoX-like bias on top
-    (64, 2, False),       # a tile boundary (the interpreter's 16-key tiles)
+    (64, 2, False),       # a tile boundary (64-key tiles)
     (150, 3, True),       # every row
 ])
 def test_length_counts_only_the_filled_rows(impl, length, splits, bias):
@@ -478,6 +478,23 @@ def test_length_counts_only_the_filled_rows(impl, length, splits, bias):
         o, lse = attn_partial(q, k, v, bias=b, impl="torch", length=count)
     assert (o.double().cpu() - want_o).abs().max() < 1e-5
     assert (lse.double().cpu() - want_l).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("length,filled_splits", [(150, 3), (64, 1), (None, 3)])
+def test_splits_share_the_filled_rows_not_the_buffer(length, filled_splits):
+    """A static step's filled rows are dealt over the splits: 150 rows of a 640-row buffer (10 tiles of 64) over
+    3 splits give each split a tile (splits of the buffer, 4 tiles each, would leave two empty and every step as
+    slow as one over a full cache); 64 rows fill only the first; a full buffer fills all three."""
+    B, Hq, Hkv, n, D, L = 1, 2, 1, 1, 16, 640
+    q, k, v = (torch.randn(*s, device=DEVICE) for s in ((B, Hq, n, D), (B, Hkv, L, D), (B, Hkv, L, D)))
+    count = torch.tensor([length], device=DEVICE) if length else None
+    o, lse = tree.split_states(q, k, v, D ** -0.5, None, num_splits=3, length=count)
+    assert lse.shape[-1] == 3
+    assert ((lse > tree.NEG).sum(-1) == filled_splits).all()
+    merged, merged_lse = tree.merge_states(o.movedim(3, 0), lse.movedim(3, 0))
+    want_o, want_l = ref_attn(q.cpu(), k[:, :, :length].cpu(), v[:, :, :length].cpu(), None)
+    assert (merged.double().cpu() - want_o).abs().max() < 1e-5
+    assert (merged_lse.double().cpu() - want_l).abs().max() < 1e-5
 
 
 @pytest.mark.gpu

@@ -27,8 +27,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
-from kernels.llama_step.triton import _grid_sync, _share, _split_keys
-from kernels.triton_utils import LOG2E
+from kernels.llama_step.triton import _grid_sync, _share, _split_range
+from kernels.triton_utils import LOG2E, split_keys
 
 WR = gl.constexpr(8)   # rows per weight tile
 SLOT_BYTES = 16384    # bytes per ring slot
@@ -38,9 +38,10 @@ SHARED_BYTES = 232448 - 24576  # Hopper's shared memory per program, less the co
 
 @gluon.jit
 def _item_keys(it, S, split, pos):
-    """(head, first key, end of its ring keys, whether it holds key `pos`) of attention item it = h * S + s."""
-    t0 = it % S * split
-    return it // S, t0, gl.minimum(t0 + split, pos), (t0 <= pos) & (pos < t0 + split)
+    """(head, first key, end of its ring keys, whether it holds key `pos`) of attention item it = h * S + s: the
+    ring streams the keys earlier steps wrote; key `pos`, this step's, is loaded apart."""
+    h, t0, t1 = _split_range(it, S, split, pos)
+    return h, t0, gl.minimum(t1, pos), (t0 <= pos) & (pos < t1)
 
 
 @gluon.jit
@@ -249,7 +250,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
 
     P = gl.num_programs(0)
     pos = gl.load(POS).to(gl.int32)
-    split = _split_keys(pos, S, BT)
+    split = split_keys(pos + 1, S, BT)   # keys 0..pos
     HD = H * D
     DH = D // 2
     u0, u1 = _share(3 * H * DH, P)
@@ -408,7 +409,7 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
 
 def launch_constants(d, F, H, D, V, CAP, element_size, programs):
     """(S splits of the keys per head, the kernel's compile-time constants) for these sizes. A split holds at
-    most `split` keys (_split_keys at the last position), which bounds the schedule."""
+    most `split` keys (split_keys at the last position), which bounds the schedule."""
     elements = SLOT_BYTES // element_size
     WK, BT = elements // WR.value, elements // D
     pieces = dict(PD=triton.cdiv(d, WK), PF=triton.cdiv(F, WK), PHD=triton.cdiv(H * D, WK))

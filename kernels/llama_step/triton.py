@@ -25,7 +25,7 @@ runs each phase as its own launch (SYNC off).
 """
 import torch
 
-from kernels.triton_utils import LOG2E, interpreting, tl, triton
+from kernels.triton_utils import LOG2E, interpreting, split_keys, tl, triton
 
 STAGES = 5          # phases per layer
 ROWS = 8            # rows of a matrix per chunk at most (the GEMV's output features)
@@ -118,13 +118,6 @@ if triton is not None:
             tl.store(VC + kv + DH, hi.to(VC.dtype.element_ty), mask=live & (kind == 2)[None, :])
 
     @triton.jit
-    def _split_keys(pos, S, BLOCK_T):
-        """Keys per split at this step: the keys 0..pos dealt over the S splits of a head in whole tiles of
-        BLOCK_T. Splits of the capacity instead would leave all but the first few empty while pos is far below
-        it, and every step as slow as one over a full cache."""
-        return tl.cdiv(tl.cdiv(pos + 1, S), BLOCK_T) * BLOCK_T
-
-    @triton.jit
     def _split_range(it, S, SPLIT, pos):
         """(b * H + h, first key, end) of attention item it = (b * H + h) * S + s."""
         t0 = it % S * SPLIT
@@ -140,7 +133,7 @@ if triton is not None:
         once after the last tile: a tile's reductions then stay inside a warp (a tile-wide max and sum cost two
         cross-warp reductions per tile). A group can see only masked keys, so its max may be -inf: m_safe."""
         dd = tl.arange(0, D)
-        SPLIT = _split_keys(pos, S, BLOCK_T)
+        SPLIT = split_keys(pos + 1, S, BLOCK_T)   # keys 0..pos
         i0, i1 = _share(B * H * S, P)
         for it in range(i0, i1):
             bh, t0, t1 = _split_range(it, S, SPLIT, pos)
