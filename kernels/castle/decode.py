@@ -25,7 +25,7 @@ from kernels.tree import RoundRobinRows
 from kernels.triton_utils import at_least_fp32, interpreting, padded_head_dim, require_triton, tl, triton
 
 if triton is not None:
-    from kernels.triton_utils import LOG2E
+    from kernels.triton_utils import LOG2E, split_keys
 
 
 def _grown(buf, filled, rows):
@@ -391,8 +391,9 @@ if triton is not None:
         docstring); without causal keys KCB and KC are never read. STATIC (a static cache, CastleCache.to_static):
         t is read from POS on the device, n_owners = min(t, n_owners) and Q^U is a ring (position j at row
         j mod qu_rows) that the host writes q^U_t into after this kernel (qu_row = -1): its row is owner
-        t - qu_rows's, which another program may still read. The splits cover the capacity; those past t
-        write an empty state (m = -inf, l = 0)."""
+        t - qu_rows's, which another program may still read. Its splits share positions 0..t (split_keys;
+        per_split is ignored), so a cache far from full keeps every split at work. A split past the last
+        position (a step early in the cache) writes an empty state (m = -inf, l = 0)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -408,6 +409,7 @@ if triton is not None:
         if STATIC:
             t = tl.load(POS).to(tl.int32)
             n_owners = tl.minimum(t, n_owners)
+            per_split = split_keys(t + 1, tl.num_programs(1), BT)
 
         start = split * per_split
         end = tl.minimum(start + per_split, t + 1)
@@ -510,7 +512,8 @@ def _decode_tiles(positions, heads, block_d, device):
 def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax) and
     the combine. A dynamic cache's bookkeeping stays on the host; a static cache's position is read on the
-    device, and the launch (its splits cover the capacity) is the same at every position."""
+    device, and the launch (its splits sized for the capacity, sharing the positions so far) is the same at every
+    position."""
     require_triton("castle_decode(impl='triton')", "use impl='torch'")
     if cache.world > 1:
         raise ValueError("castle_decode(impl='triton') takes a cache without a process group; a sharded cache "
