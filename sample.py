@@ -10,7 +10,8 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
 
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 
-cuda_graph=auto (the default) is true on one CUDA device and false on the CPU or with sharded=true.
+cuda_graph=auto (the default) is fused for LLaMA blocks on one Hopper (or newer) GPU, true on other single CUDA
+devices and models, and false on the CPU or with sharded=true.
 cuda_graph=true (one GPU; every attention): after the prompt, every token is one replay of a
 CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
 torch.compiles the step first (fewer, fused kernels; compiling takes a minute); cuda_graph=autotuned also
@@ -28,6 +29,7 @@ from data.tokenizer import tokenizer_for
 from evaluation.samples import stream_text
 from model.checkpoint import load_model
 from model.gpt import CUDA_GRAPH_MODES
+from model.sampling import fused_step_unsupported
 from model.runtime import (DEVICE, Dist, Rule, boolean, check_options, entry_point, integer, number, one_of,
                            optional, text)
 
@@ -54,12 +56,17 @@ def check_sample_options(cfg):
             raise ValueError(f"{asked} needs a CUDA device, not device=cpu: pass cuda_graph=auto or false")
 
 
-def graph_mode(cfg, device):
-    """cuda_graph as GPT.generate_stream takes it: auto is a CUDA graph of the step (True) on one CUDA device,
-    none on the CPU or with sharded=true; any other value as given."""
-    if cfg.cuda_graph == "auto":
-        return device.type == "cuda" and not cfg.sharded
-    return cfg.cuda_graph
+def graph_mode(cfg, device, config):
+    """cuda_graph as GPT.generate_stream takes it for a model of GPTConfig `config`; any value but auto as given.
+    auto: none on the CPU or with sharded=true; on one CUDA device the single-launch step ("fused", 4x a graph of
+    the step at batch 1) where it applies (LLaMA blocks) on Hopper or newer, the GPUs it is tested and timed on;
+    else a CUDA graph of the step (True)."""
+    if cfg.cuda_graph != "auto":
+        return cfg.cuda_graph
+    if device.type != "cuda" or cfg.sharded:
+        return False
+    hopper = torch.cuda.get_device_capability(device) >= (9, 0)
+    return "fused" if hopper and fused_step_unsupported(config) is None else True
 
 
 def init_sharding(cfg):
@@ -89,7 +96,7 @@ def main(cfg):
         stream_text(model, tok, prompt_ids, device, max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_at_eot=cfg.stop_at_eot,
                     group=group, prefill_chunk=cfg.prefill_chunk if group is not None else None,
-                    cuda_graph=graph_mode(cfg, device), show=ranks.master)
+                    cuda_graph=graph_mode(cfg, device, model.config), show=ranks.master)
     ranks.close()
 
 

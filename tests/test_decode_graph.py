@@ -352,15 +352,22 @@ def test_sample_cuda_graph_option_errors(overrides, expected):
     assert expected in error_of(sample.check_sample_options, compose_config("sample", ["ckpt=x", *overrides]))
 
 
-@pytest.mark.parametrize("overrides, device, mode", [
-    ([], "cuda", True), ([], "cpu", False), (["sharded=true"], "cuda", False),
-    (["cuda_graph=fused"], "cuda", "fused"), (["cuda_graph=false"], "cuda", False)])
-def test_sample_cuda_graph_defaults_to_a_graph_on_one_gpu(overrides, device, mode):
-    """cuda_graph=auto, the default: a CUDA graph of the step on one CUDA device (every variant's graph is tested
-    on a GPU), none on the CPU or sharded; auto is never refused, any other value is passed on as given."""
+@pytest.mark.parametrize("overrides, device, capability, blocks, mode", [
+    ([], "cuda", (9, 0), LLAMA, "fused"), ([], "cuda", (10, 0), LLAMA, "fused"), ([], "cuda", (8, 0), LLAMA, True),
+    ([], "cuda", (9, 0), dict(attention="fox", **LLAMA, **PRO), True), ([], "cuda", (9, 0), GPT2, True),
+    ([], "cpu", None, LLAMA, False), (["sharded=true"], "cuda", (9, 0), LLAMA, False),
+    (["cuda_graph=true"], "cuda", (9, 0), LLAMA, True), (["cuda_graph=fused"], "cuda", (8, 0), LLAMA, "fused"),
+    (["cuda_graph=false"], "cuda", (9, 0), LLAMA, False)])
+def test_sample_cuda_graph_defaults_to_the_fastest_step_on_one_gpu(overrides, device, capability, blocks, mode,
+                                                                  monkeypatch):
+    """cuda_graph=auto, the default: the single-launch step for LLaMA blocks on a Hopper or newer GPU, a CUDA graph
+    of the step for other blocks or GPUs (every variant's graph is tested on a GPU), none on the CPU or sharded;
+    auto is never refused, any other value is passed on as given. The GPU's generation is the one query faked."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    config = tiny(**{"n_head": 2, **blocks})
     cfg = compose_config("sample", ["ckpt=x", *overrides])
     sample.check_sample_options(cfg)
-    got = sample.graph_mode(cfg, torch.device(device))
+    got = sample.graph_mode(cfg, torch.device(device), config)
     assert got == mode and type(got) is type(mode)
 
 
