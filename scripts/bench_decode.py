@@ -22,7 +22,9 @@ mean time of the later steps when nothing reads them as they come (as GPT.genera
 launches each step without waiting for the one before), "waited" the median time between two tokens when the
 host waits for each (as sample.py's printing does). transformers' generate waits for every token itself (its
 stopping check), so both of its columns are the median gap between two of its tokens (after its compilation).
-tokens/s = B / ms/token.
+tokens/s = B / ms/token. "startup s" is the time from the first run's start to its first timed token: the
+prefill, the warm-up steps, a graph's capture and whatever compiles on first use (torch.compile; Triton kernels
+not in Triton's on-disk cache yet), what a fresh `sample.py` pays before its tokens come at the timed rate.
 
 The bound is the time to read, once per step, the weights a step multiplies (an untied input embedding and
 learned positions are lookups) and the whole cache at ctx positions, at --bandwidth-gbs (default 3350 GB/s:
@@ -173,13 +175,14 @@ def peak_gib(device):
 
 
 def time_ours(model, prompt, n, total, cuda_graph, prefill_chunk):
-    """(ms/token with nothing waiting for the tokens, ms/token with the host waiting for each) over the first n
-    tokens of a generation of `total`."""
+    """(ms/token with nothing waiting for the tokens, ms/token with the host waiting for each, startup s) over the
+    first n tokens of a generation of `total`."""
     def stream():
         return itertools.islice(model.generate_stream(prompt, total, temperature=0, prefill_chunk=prefill_chunk,
                                                       cuda_graph=cuda_graph), n)
 
     stamps = []
+    begin = time.perf_counter()
     for _ in stream():
         synchronize(prompt.device)
         stamps.append(time.perf_counter())
@@ -190,7 +193,7 @@ def time_ours(model, prompt, n, total, cuda_graph, prefill_chunk):
     start = time.perf_counter()
     count = sum(1 for _ in tokens)
     synchronize(prompt.device)
-    return 1e3 * (time.perf_counter() - start) / count, per_token_ms(stamps)
+    return 1e3 * (time.perf_counter() - start) / count, per_token_ms(stamps), stamps[SKIPPED_STEPS] - begin
 
 
 def profile_ours(model, prompt, total, cuda_graph, prefill_chunk):
@@ -224,11 +227,12 @@ def time_hf(hf_model, prompt, n, cache_implementation):
             pass
 
     stamps = Stamps()
+    begin = time.perf_counter()
     out = hf_model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, min_new_tokens=n,
                             do_sample=False, streamer=stamps, cache_implementation=cache_implementation)
     assert out.size(1) == prompt.size(1) + n, out.shape
     ms = per_token_ms(stamps.times[1:])       # the first put is the prompt, before the prefill
-    return ms, ms
+    return ms, ms, stamps.times[1 + SKIPPED_STEPS] - begin
 
 
 def load_hf(path, device, dtype):
@@ -282,19 +286,19 @@ def main(argv=None):
             for mode, cuda_graph, run in runs:
                 fresh_memory(device)
                 try:
-                    ms, waited_ms = run()
+                    ms, waited_ms, startup_s = run()
                 except Exception as e:
                     if not mode.startswith("transformers"):
                         raise
                     print(f"skip {mode} at batch {B}, ctx {ctx}: {type(e).__name__}: {e}")
                     continue
                 rows.append((B, ctx, name, mode, f"{ms:.3f}", f"{waited_ms:.3f}", f"{1e3 * B / ms:.1f}",
-                             f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device)))
+                             f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device), f"{startup_s:.1f}"))
                 print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token ({waited_ms:.3f} waited)", flush=True)
                 if args.profile and cuda_graph is not None:
                     print(profile_ours(model, prompt, total, cuda_graph, args.prefill_chunk), flush=True)
     header = ("batch", "ctx", "model", "mode", "ms/token", "waited ms/token", "tokens/s", "bound ms", "x bound",
-              "peak GiB")
+              "peak GiB", "startup s")
     print("\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
                     ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]))
 

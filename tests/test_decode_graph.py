@@ -388,8 +388,19 @@ def test_bench_decode_smoke():
     rows = [line for line in lines[header + 2:] if line.startswith("|")]
     assert len(rows) == 1 and rows[0].split("|")[4].strip() == "eager", out.stdout
     assert "3350 GB/s" in out.stdout and "no CUDA graph on cpu" in out.stdout
-    ms, waited = float(rows[0].split("|")[5]), float(rows[0].split("|")[6])
-    assert ms > 0 and waited > 0
+    ms, waited, startup = (float(rows[0].split("|")[i]) for i in (5, 6, 11))
+    assert ms > 0 and waited > 0 and startup > 0
+
+
+def test_bench_decode_times_transformers_on_the_exported_weights(tmp_path):
+    """--export-hf writes the random model, --hf times transformers' generate on it next to ours, with both caches."""
+    hf = str(tmp_path / "hf")
+    assert run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "6", "--export-hf", hf).returncode == 0
+    out = run_bench_decode("--device", "cpu", "--ctx", "64", "--n", "6", "--hf", hf)
+    assert out.returncode == 0, out.stderr
+    rows = {line.split("|")[4].strip(): line.split("|") for line in out.stdout.splitlines() if "| hf |" in line}
+    assert set(rows) == {"eager", "transformers dynamic cache", "transformers static cache"}, out.stdout
+    assert all(float(row[i]) > 0 for row in rows.values() for i in (5, 6, 11))
 
 
 @pytest.mark.parametrize("args, says", [
