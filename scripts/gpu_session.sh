@@ -27,6 +27,7 @@
 #   bash scripts/gpu_session.sh decode               # CUDA-graph decoding: a profile of each mode, then eager vs graph vs transformers
 #   bash scripts/gpu_session.sh decodefused          # the single-launch LLaMA step alone, then every mode at batch 1 and 4
 #   bash scripts/gpu_session.sh decodetests          # FoX (Pro) and CASTLE decode speed, CUDA-graph decoding's GPU tests
+#   bash scripts/gpu_session.sh decodecapacity       # each variant's graph step below a 32K cache's capacity
 #   [SET=ablations] bash scripts/gpu_session.sh compare   # the small-scale comparison (scripts/compare_small.sh)
 #   bash scripts/gpu_session.sh parallel fused "train --models A B"   # one single-GPU stage per GPU from
 #                                                    # FIRST_GPU (default 0), side by side, each cut at STAGE_TIMEOUT s
@@ -166,6 +167,12 @@ case "${1:-tests}" in
            python -m scripts.bench_llama_step --ctx 4096 32768 --bandwidth-gbs $BW 2>&1 | tee "$OUT/llama_step.log"
            python -m scripts.bench_decode --batch 1 4 --ctx 4096 32768 --compiled --fused --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_fused.log" | grep "|" ;;
+  decodecapacity)   # each variant's graph step at a 4K context and a full 32K cache, in a 32K cache (sample.py sizes
+                    # it for the whole generation), with each mode's startup cost
+           for m in transformer_llama_360M fox_pro_360M castle_paper_M; do
+             timeout 280 python -m scripts.bench_decode --model $m --batch 1 --ctx 4096 32768 --capacity 32768 --n 32 \
+               --bandwidth-gbs $BW 2>&1 | tee -a "$OUT/bench_decode_capacity.log" | grep "|"
+           done ;;
   decode)  python -m scripts.bench_decode --batch 1 --ctx 4096 --compiled --autotuned --profile --bandwidth-gbs $BW 2>&1 \
              | tee "$OUT/decode_profile.log" | tail -40
            python -m scripts.bench_decode --model transformer_llama_360M --export-hf /tmp/hf360 > /dev/null 2>&1
