@@ -293,7 +293,7 @@ def main(argv=None):
                     print(f"skip {mode} at batch {B}, ctx {ctx}: {type(e).__name__}: {e}")
                     continue
                 rows.append((B, ctx, name, mode, f"{ms:.3f}", f"{waited_ms:.3f}", f"{1e3 * B / ms:.1f}",
-                             f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device), f"{startup_s:.1f}"))
+                             f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device), f"{startup_s:.2f}"))
                 print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token ({waited_ms:.3f} waited)", flush=True)
                 if args.profile and cuda_graph is not None:
                     print(profile_ours(model, prompt, total, cuda_graph, args.prefill_chunk), flush=True)
