@@ -13,10 +13,12 @@ against the memory-bandwidth bound and, optionally, transformers' generate on th
 
 The model is an experiment config (configs/experiment/*.yaml) or `tiny`, random weights in bf16 (fp32 on CPU);
 with --hf DIR (an export of scripts.export_hf) our model loads DIR's weights too. For each batch B and context
-ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time), then n tokens are decoded
-greedily (of a generation of --capacity - ctx + n tokens when given: the cache then holds --capacity positions,
-as generate sizes it for a long generation, while the first n are timed): GPT.generate_stream without and with cuda_graph (--compiled, --autotuned, --fused: also those modes),
-transformers' generate (max_new_tokens = min_new_tokens = n, greedy) with its default and its static cache.
+ctx a random prompt of ctx - n tokens is prefilled (--prefill-chunk tokens at a time; CASTLE's in one pass, as
+its cache continues a prompt one position at a time after the first chunk), then n tokens are decoded greedily
+(of a generation of --capacity - ctx + n tokens when given: the cache then holds --capacity positions, as
+generate sizes it for a long generation, while the first n are timed): GPT.generate_stream without and with
+cuda_graph (--compiled, --autotuned, --fused: also those modes), transformers' generate (max_new_tokens =
+min_new_tokens = n, greedy) with its default and its static cache.
 Each of ours is timed twice, after the first few steps (a graph's warm-up steps and capture): ms/token is the
 mean time of the later steps when nothing reads them as they come (as GPT.generate: with a CUDA graph the host
 launches each step without waiting for the one before), "waited" the median time between two tokens when the
@@ -67,7 +69,7 @@ def parse(argv=None):
     p.add_argument("--n", type=int, default=64, help="decoded tokens per row")
     p.add_argument("--capacity", type=int, default=None, help="positions the cache holds (default: each ctx): "
                    "the timed tokens are the first n of a generation that fills it")
-    p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill step")
+    p.add_argument("--prefill-chunk", type=int, default=4096, help="prompt tokens per prefill step (not CASTLE's)")
     p.add_argument("--bandwidth-gbs", type=float, default=3350.0, help="memory bandwidth of the bound, GB/s")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--hf", default=None, metavar="DIR", help="a scripts.export_hf directory: time transformers' "
@@ -266,6 +268,7 @@ def main(argv=None):
         except Exception as e:                       # the table goes on without the transformers rows
             print(f"skip transformers rows: loading {args.hf} failed: {type(e).__name__}: {e}")
     n_tokens = model.config.tokenizer_vocab_size or model.config.vocab_size
+    prefill_chunk = None if model.config.attention.startswith("castle") else args.prefill_chunk
     rows = []
     for B in args.batch:
         for ctx in args.ctx:
@@ -279,7 +282,7 @@ def main(argv=None):
             ours = [False] + ([True] + ["compiled"] * args.compiled + ["autotuned"] * args.autotuned
                               + ["fused"] * fused if graph else [])                   # cuda_graph values
             runs = [("eager" if not g else f"cuda_graph={g}", g,
-                     lambda g=g: time_ours(model, prompt, args.n, total, g, args.prefill_chunk)) for g in ours]
+                     lambda g=g: time_ours(model, prompt, args.n, total, g, prefill_chunk)) for g in ours]
             if hf_model is not None:
                 runs += [(f"transformers {impl} cache", None, lambda impl=impl: time_hf(hf_model, prompt, args.n, impl))
                          for impl in ("dynamic", "static")]
@@ -296,7 +299,7 @@ def main(argv=None):
                              f"{bound_ms:.3f}", f"{ms / bound_ms:.2f}", peak_gib(device), f"{startup_s:.2f}"))
                 print(f"batch {B} ctx {ctx} {mode}: {ms:.3f} ms/token ({waited_ms:.3f} waited)", flush=True)
                 if args.profile and cuda_graph is not None:
-                    print(profile_ours(model, prompt, total, cuda_graph, args.prefill_chunk), flush=True)
+                    print(profile_ours(model, prompt, total, cuda_graph, prefill_chunk), flush=True)
     header = ("batch", "ctx", "model", "mode", "ms/token", "waited ms/token", "tokens/s", "bound ms", "x bound",
               "peak GiB", "startup s")
     print("\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] +
