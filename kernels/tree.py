@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from kernels.triton_utils import padded_head_dim, tl, triton
+from kernels.triton_utils import deal_keys, padded_head_dim, tl, triton
 
 NEG = -1e30  # finite "log 0": exp(NEG - x) is exactly 0, where exp(-inf - -inf) would be NaN
 COMBINES = ("paper", "packed", "gather")
@@ -440,10 +440,9 @@ def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=
     # the tiles the GPU tests validated (scripts/bench_tree.py --sweep times others)
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
     m_blocks = triton.cdiv(rows, BLOCK_M)
-    tiles = triton.cdiv(L, BLOCK_N)
     if num_splits is None:  # flash-decoding: enough programs to fill the GPU a few times over
         num_splits = triton.cdiv(4 * _num_sms(q.device), B * Hkv * m_blocks)
-    num_splits = triton.cdiv(tiles, triton.cdiv(tiles, num_splits))  # none empty when the cache is full
+    _, num_splits = deal_keys(L, num_splits, BLOCK_N)  # none empty when the cache is full
     o = q.new_empty(B, Hq, n, num_splits, D, dtype=torch.float32)
     lse = q.new_empty(B, Hq, n, num_splits, dtype=torch.float32)
     if bias is not None:

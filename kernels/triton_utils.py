@@ -19,7 +19,7 @@
   made the line lazy.
 - `LOG2E`: the kernels' softmaxes run in base 2 (exp2 / log2), with log2(e) folded into the logits.
 - `split_keys(keys, S, BLOCK)` (@triton.jit): how split-KV decoding deals a head's filled cache rows over its S
-  splits.
+  splits; `deal_keys(keys, S, BLOCK)`: the same on the host, for a launch's grid.
 - `padded_head_dim(D)`: the head dim the kernels' tiles take; `at_least_fp32(dtype)`: the dtype
   statistics and torch references compute in.
 """
@@ -43,6 +43,15 @@ def interpreting():
 def at_least_fp32(dtype):
     """fp32 for 16-bit and fp32 dtypes; fp64 stays fp64 (the tests' exact references)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def deal_keys(keys, S, BLOCK):
+    """(keys per split, splits) when `keys` rows are dealt over about S splits in whole tiles of BLOCK, as split_keys
+    deals them in the kernels; splits that would hold no row are not counted."""
+    def cdiv(a, b):
+        return -(-a // b)
+    per = cdiv(cdiv(keys, S), BLOCK) * BLOCK
+    return per, cdiv(keys, per)
 
 
 def require_triton(what, instead):

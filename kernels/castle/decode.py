@@ -22,7 +22,7 @@ from kernels.castle.reference import blockwise_forward, check_inputs, lookahead_
 from kernels.castle.triton import default_config, triton_forward
 from kernels.sdpa import decode_sdpa
 from kernels.tree import RoundRobinRows
-from kernels.triton_utils import at_least_fp32, interpreting, padded_head_dim, require_triton, tl, triton
+from kernels.triton_utils import at_least_fp32, deal_keys, interpreting, padded_head_dim, require_triton, tl, triton
 
 if triton is not None:
     from kernels.triton_utils import LOG2E, split_keys
@@ -505,8 +505,7 @@ def _decode_tiles(positions, heads, block_d, device):
     else:
         rows, sms = 4096 // block_d, torch.cuda.get_device_properties(device).multi_processor_count
     splits = max(1, min(triton.cdiv(positions, rows), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
-    per_split = triton.cdiv(triton.cdiv(positions, splits), rows) * rows
-    return rows, per_split, triton.cdiv(positions, per_split)
+    return (rows, *deal_keys(positions, splits, rows))
 
 
 def _decode_triton(cache, qc, kc, vc, qu, ku, vu):

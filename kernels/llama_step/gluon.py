@@ -28,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy as cp
 
 from kernels.llama_step.triton import _grid_sync, _share, _split_range
-from kernels.triton_utils import LOG2E, split_keys
+from kernels.triton_utils import LOG2E, deal_keys, split_keys
 
 WR = gl.constexpr(8)   # rows per weight tile
 SLOT_BYTES = 16384    # bytes per ring slot
@@ -414,9 +414,7 @@ def launch_constants(d, F, H, D, V, CAP, element_size, programs):
     WK, BT = elements // WR.value, elements // D
     pieces = dict(PD=triton.cdiv(d, WK), PF=triton.cdiv(F, WK), PHD=triton.cdiv(H * D, WK))
     NP = triton.next_power_of_2(max(pieces.values()))
-    S = max(1, min(programs // H, triton.cdiv(CAP, BT)))
-    split = triton.cdiv(triton.cdiv(CAP, S), BT) * BT
-    S = triton.cdiv(CAP, split)
+    split, S = deal_keys(CAP, max(1, min(programs // H, triton.cdiv(CAP, BT))), BT)
     cd = triton.cdiv
     tiles = (cd(2 * cd(3 * H * D // 2, programs), WR.value) * pieces["PD"]
              + 2 * cd(H * S, programs) * cd(split, BT)

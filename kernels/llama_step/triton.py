@@ -25,7 +25,7 @@ runs each phase as its own launch (SYNC off).
 """
 import torch
 
-from kernels.triton_utils import LOG2E, interpreting, split_keys, tl, triton
+from kernels.triton_utils import LOG2E, deal_keys, interpreting, split_keys, tl, triton
 
 STAGES = 5          # phases per layer
 ROWS = 8            # rows of a matrix per chunk at most (the GEMV's output features)
@@ -253,9 +253,7 @@ def launch_constants(B, d, F, H, D, CAP, element_size, programs, stages=3, warps
     block_t = max(16, min(BLOCK_T, 2 * TILE_BYTES // (2 * D * element_size)))
     # splits per (batch, head): about one item per program (an item more on some programs would double the
     # phase), at least a tile each
-    S = max(1, min(programs // (B * H), triton.cdiv(CAP, block_t)))
-    split = triton.cdiv(triton.cdiv(CAP, S), block_t) * block_t
-    S = triton.cdiv(CAP, split)
+    _, S = deal_keys(CAP, max(1, min(programs // (B * H), triton.cdiv(CAP, block_t))), block_t)
     KB = 32 * 16 // element_size   # columns per piece of a weight chunk: a warp's 32 lanes x 16 bytes
 
     def whole_pieces(n):           # a row of n columns, padded to whole pieces (the masks cover the padding)
