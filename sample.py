@@ -11,8 +11,8 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 
 cuda_graph=auto (the default) is fused for LLaMA blocks on one Hopper (or newer) GPU, true on other single CUDA
-devices and models, and false on the CPU or with sharded=true.
-cuda_graph=true (one GPU; every attention): after the prompt, every token is one replay of a
+devices and models and on sharded softmax and FoX models, and false on the CPU and on sharded CASTLE models.
+cuda_graph=true (every attention on one GPU; softmax and FoX sharded): after the prompt, every token is one replay of a
 CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
 torch.compiles the step first (fewer, fused kernels; compiling takes a minute); cuda_graph=autotuned also
 tunes its matmuls and kernels (minutes more, ~18% faster per token at batch 1); cuda_graph=fused (LLaMA
@@ -49,24 +49,26 @@ def check_sample_options(cfg):
     check_options(OmegaConf.to_container(cfg), OPTIONS)
     if cfg.cuda_graph not in (False, "auto"):
         asked = f"cuda_graph={str(cfg.cuda_graph).lower()}"
-        if cfg.sharded:
-            raise ValueError(f"{asked} decodes on one GPU: it does not combine with sharded=true; pass one of them "
-                             "(cuda_graph=auto turns it off with sharded=true)")
+        if cfg.sharded and cfg.cuda_graph is not True:
+            raise ValueError(f"{asked} decodes on one GPU: with sharded=true pass cuda_graph=true (a graph of the "
+                             "sharded step) or auto")
         if cfg.device == "cpu":
             raise ValueError(f"{asked} needs a CUDA device, not device=cpu: pass cuda_graph=auto or false")
 
 
-def graph_mode(cfg, device, config):
-    """cuda_graph as GPT.generate_stream takes it for a model of GPTConfig `config`; any value but auto as given.
-    auto: none on the CPU or with sharded=true; on one CUDA device the single-launch step ("fused", 4x a graph of
-    the step at batch 1) where it applies (LLaMA blocks) on Hopper or newer, the GPUs it is tested and timed on;
-    else a CUDA graph of the step (True)."""
+def graph_mode(cfg, device, model, group):
+    """cuda_graph as GPT.generate_stream takes it for `model`; any value but auto as given. auto: none on the CPU;
+    sharded (a process group), a graph of the sharded step (True) where every layer takes it (softmax and FoX
+    attention), else none; on one CUDA device the single-launch step ("fused", 4x a graph of the step at batch 1)
+    where it applies (LLaMA blocks) on Hopper or newer, the GPUs it is tested and timed on; else True."""
     if cfg.cuda_graph != "auto":
         return cfg.cuda_graph
-    if device.type != "cuda" or cfg.sharded:
+    if device.type != "cuda":
         return False
+    if group is not None:
+        return model.new_cache(1, 1, group=group).static_refusal() is None   # a probe: one row per layer
     hopper = torch.cuda.get_device_capability(device) >= (9, 0)
-    return "fused" if hopper and fused_step_unsupported(config) is None else True
+    return "fused" if hopper and fused_step_unsupported(model.config) is None else True
 
 
 def init_sharding(cfg):
@@ -96,7 +98,7 @@ def main(cfg):
         stream_text(model, tok, prompt_ids, device, max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_at_eot=cfg.stop_at_eot,
                     group=group, prefill_chunk=cfg.prefill_chunk if group is not None else None,
-                    cuda_graph=graph_mode(cfg, device, model.config), show=ranks.master)
+                    cuda_graph=graph_mode(cfg, device, model, group), show=ranks.master)
     ranks.close()
 
 

@@ -177,12 +177,13 @@ def tree_merge(out, lse, group=None, *, combine="gather"):
 
 
 def tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
-                combine="gather", impl="auto", return_lse=False):
+                combine="gather", impl="auto", return_lse=False, length=None):
     """Exact attention of the replicated query q over the union of every rank's (k_local, v_local).
 
-    See the module docstring for shapes, bias_local and the combine options.
+    See the module docstring for shapes, bias_local and the combine options; length: attn_partial's (a static
+    step's filled local rows).
     """
-    out, lse = attn_partial(q, k_local, v_local, scale=scale, bias=bias_local, impl=impl)
+    out, lse = attn_partial(q, k_local, v_local, scale=scale, bias=bias_local, impl=impl, length=length)
     out, lse = tree_merge(out, lse, group, combine=combine)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
@@ -262,7 +263,9 @@ class RoundRobinRows:
     waits for the largest). Without a group (or with one rank) row j is position j.
 
     A cache subclasses this and keeps `length`, the positions of all ranks (the same on every rank), and
-    `position`, set for static steps (to_static)."""
+    `position`, set for static steps (to_static). static_sharded: whether its static steps take a group."""
+
+    static_sharded = True
 
     def __init__(self, group, device):
         self.group = group
@@ -274,10 +277,26 @@ class RoundRobinRows:
 
     def to_static(self, position):
         """Continue with static steps, the ones a CUDA graph replays: the next position is read from
-        `position`, a (1,) long device tensor the caller advances; an unsharded cache only (row j is position j)."""
-        if self.group is not None:
-            raise ValueError("static (CUDA-graph) decoding takes unsharded caches only (made without a process group)")
+        `position`, a (1,) long device tensor the caller advances (the same on every rank)."""
         self.position = position
+
+    def static_row(self):
+        """A static step's local row of its position (a device tensor): where the rank that holds it writes.
+        (Unsharded, the position itself: no kernel for the division in every layer's step.)"""
+        return self.position if self.world == 1 else self.position // self.world
+
+    def static_filled(self):
+        """Local rows a static step attends over (device tensor): positions 0 .. position held here, its own
+        included where this rank holds it; 0 on a rank that holds none yet."""
+        return self.position + 1 if self.world == 1 else (self.position - self.rank + self.world) // self.world
+
+    def write_static(self, buf, row, x, dim=2):
+        """buf's `row` along dim <- x on the rank that holds the static step's position; the others keep the
+        row (a masked copy, as the step may not branch on the device-held position)."""
+        x = x.to(buf.dtype)
+        if self.world > 1:
+            x = torch.where(self.owns(self.position), x, buf.index_select(dim, row))
+        buf.index_copy_(dim, row, x)
 
     def max_rows(self, positions):
         """Local rows the rank holding the most of `positions` positions needs."""
@@ -307,12 +326,11 @@ class RoundRobinRows:
         """Attention of the replicated queries over the rows k, v held here merged with every other rank's
         (tree_decode over the cache's group); an unsharded cache attends to its own rows with no collective,
         also in a process that belongs to a process group (rank 0 sampling alone after multi-GPU training).
-        length: a static step's filled rows (attn_partial); unsharded caches only, as static steps are."""
+        length: a static step's filled rows here (attn_partial)."""
         if self.group is None:
             out, _ = attn_partial(q, k, v, scale=scale, bias=bias, length=length)
             return out.to(q.dtype)
-        assert length is None, "static steps take unsharded caches only (to_static refuses a group)"
-        return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias)
+        return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias, length=length)
 
 
 # ----------------------------------------------------------------------------- variant logits

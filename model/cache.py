@@ -22,8 +22,9 @@ class KVCache(RoundRobinRows):
     rank j % p in its local row j // p); every rank allocates ceil(max_len / p) rows. `length`
     counts the positions of all ranks (the same on every rank). Without a group row j is position j.
 
-    A static step (`position` set: InferenceCache.to_static) writes its one position at that device
-    index and reads every row; its attention skips or masks the rows past the position.
+    A static step (`position` set: InferenceCache.to_static) writes its one position at its local row
+    on the rank that holds it (write_static) and reads every row; its attention skips or masks the rows
+    past the position.
     """
 
     def __init__(self, batch_size, n_head, max_len, head_dim, device, dtype, group=None):
@@ -40,10 +41,10 @@ class KVCache(RoundRobinRows):
 
     def store(self, **new):
         """Append T positions: each named buffer gets this rank's share of its (B, H, T, ...) tensor."""
-        if self.position is not None:     # static step: one position, unsharded, at the device index
+        if self.position is not None:     # static step: one position at its device-held row
+            row = self.static_row()
             for name, x in new.items():
-                buf = getattr(self, name)
-                buf.index_copy_(2, self.position, x.to(buf.dtype))
+                self.write_static(getattr(self, name), row, x)
             return
         T = next(iter(new.values())).size(2)
         if self.length + T > self.max_len:
@@ -81,7 +82,7 @@ class SoftmaxCache(KVCache):
         c = fgate_cumsum(log_fgate, self.c_last)
         self.c_last.copy_(c[..., -1:])    # in place, as every buffer a static step writes
         if self.position is not None:
-            self.log_fgate_cumsum.index_copy_(2, self.position, c)
+            self.write_static(self.log_fgate_cumsum, self.static_row(), c)
             return self.log_fgate_cumsum
         chunk, rows = self.local_rows(self.length - T, T)
         self.log_fgate_cumsum[:, :, rows] = c[:, :, chunk]
@@ -128,12 +129,12 @@ class WindowCache(RoundRobinRows):
 
     def store(self, k, v, c):
         """Append T positions: this rank's share, of which the ring keeps the newest `capacity`."""
-        if self.position is not None:     # static step: one position, unsharded, at its ring row
-            row = self.position % self.capacity
+        if self.position is not None:     # static step: one position at its device-held ring row
+            row = self.static_row() % self.capacity
             for buf, x in ((self.k, k), (self.v, v), (self.c, c)):
                 if x is not None:
-                    buf.index_copy_(2, row, x.to(buf.dtype))
-            self.pos.index_copy_(0, row, self.position)
+                    self.write_static(buf, row, x)
+            self.write_static(self.pos, row, self.position, dim=0)
             return
         chunk, pos = self._owned(k.size(2))
         keep = slice(max(0, pos.numel() - self.capacity), None)
@@ -171,14 +172,14 @@ def attend_rows(q, k, v, c, cache):
     """The T new queries over the rows k, v (FoX: their c) of a cache, masks and FoX's gates as one
     additive bias, by tree attention's split-KV step (kernels/tree.py). A sharded cache: this rank's
     rows, merged exactly with every other rank's. A static step: the whole buffer, with the count of
-    filled rows read on the device (attn_partial's length), so its shapes never change. Positions are
+    filled rows read on the device (attn_partial's length; static_filled), so its shapes never change. Positions are
     global; a single new token sees every cached position, a prefill chunk is causal inside itself
     (mask_bias). FoX's bias is -c_j taken relative to the stream's newest c, a shift common to all keys
     that keeps recent keys exact."""
     T = q.size(2)
     bias, length = None, None
-    if cache.position is not None:  # rows 0 .. position are filled: the kernel skips the tiles past them
-        length = cache.position + 1
+    if cache.position is not None:  # the rows of positions 0 .. position: the kernel skips the tiles past them
+        length = cache.static_filled()
     elif T > 1:
         q_pos = torch.arange(cache.length - T, cache.length, device=q.device)
         bias = mask_bias(q_pos, cache.key_positions())
@@ -208,13 +209,22 @@ class InferenceCache:
     def to_static(self):
         """Continue with static steps from position `pos`: every layer cache turns static on the shared
         device-held position (a CastleCache also rearranges its buffers, a RecurrentCache moves its state into
-        fixed ones); unsharded caches only, refused before any layer changes."""
-        if any(layer.group is not None for layer in self.layers):
-            raise ValueError("static (CUDA-graph) decoding takes unsharded caches only (made without a process group)")
+        fixed ones). A sharded cache's layers must all take sharded static steps (`static_sharded`), which is
+        checked before any layer changes."""
+        if reason := self.static_refusal():
+            raise ValueError(reason)
         position = torch.tensor([self.pos], device=self.layers[0].device)
         for layer in self.layers:
             layer.to_static(position)
         self.position = position
+
+    def static_refusal(self):
+        """Why these layers cannot take static steps (None: they can): a sharded CASTLE layer."""
+        refused = [type(layer).__name__ for layer in self.layers if layer.group is not None and not layer.static_sharded]
+        if refused:
+            return (f"static (CUDA-graph) decoding of a sharded cache takes softmax and FoX layers, not {refused[0]}: "
+                    "decode a sharded model of these layers without cuda_graph")
+        return None
 
     def advance(self, T):
         if self.position is not None:

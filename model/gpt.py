@@ -835,8 +835,9 @@ class GPT(nn.Module):
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep) that also samples the next token, and the host launches each step without waiting
         for the one before (model/sampling.py replay_stream: a consumer that does not read every token on the
-        host, such as `generate`, keeps the GPU busy); CUDA, one device, with the cache; every attention's
-        caches take its static steps (model/cache.py InferenceCache.to_static). "compiled": the step is
+        host, such as `generate`, keeps the GPU busy); CUDA, with the cache; every attention's caches take its
+        static steps (model/cache.py InferenceCache.to_static), and with a group every softmax and FoX cache (the
+        graph holds the step's collectives: tree attention's all-gathers, the token's broadcast). "compiled": the step is
         torch.compile'd before it is captured; "autotuned": with max-autotune (slower to start, faster per token);
         "fused": LLaMA blocks only, the whole step as one kernel launch (model/sampling.py FusedDecodeStep), logits
         in fp32.
@@ -903,9 +904,12 @@ class GPT(nn.Module):
                              f"batch-1 latency), not {idx.size(0)}: use cuda_graph='compiled'")
         if not use_cache:
             raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
-        if group is not None:
-            raise ValueError("cuda_graph=True decodes on one device: it does not take a process group "
-                             "(sharded decoding); decode without cuda_graph")
+        if group is not None and dist.get_world_size(group) > 1:
+            if cuda_graph is not True:
+                raise ValueError(f"cuda_graph={cuda_graph!r} decodes on one device; a cache sharded over a process "
+                                 "group takes cuda_graph=True")
+            if reason := self.new_cache(1, 1, group=group).static_refusal():   # a probe: one row per layer
+                raise ValueError(reason)
         if self.training:
             raise ValueError("cuda_graph=True decodes in eval mode: call model.eval() first")
         if not (idx.is_cuda and self.lm_head.weight.is_cuda):

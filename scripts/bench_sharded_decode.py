@@ -21,8 +21,9 @@ A timed step is one token through the model with the cache: model(token, cache) 
 greedy argmax and (N > 1) the broadcast of the token from rank 0, as GPT.generate_stream does; the
 cache grows by one position per step. Timing follows scripts/bench_tree.py: warm-up steps, then a
 barrier before each step, CUDA events on GPU (perf_counter on CPU), a step lasts as long as its
-slowest rank, median (p10, p90) over steps. `--graphs` also replays the step captured in a CUDA
-graph (it then re-decodes one position: the captured shapes are fixed). "peak GiB" is
+slowest rank, median (p10, p90) over steps. `--graphs` also times the step as
+`GPT.generate(cuda_graph=True)` replays it (a static step captured in a CUDA graph with its collectives; softmax and
+FoX caches, not CASTLE's: a row with a note). "peak GiB" is
 torch.cuda.max_memory_allocated over the decode steps (weights + cache + transients; max over
 ranks; "-" on CPU); "cache GiB" the cache tensors one rank holds.
 """
@@ -42,9 +43,11 @@ from kernels.castle import CastleCache
 from model.cache import SoftmaxCache
 from model.gpt import GPT, CastleAttention, GPTConfig
 from model.runtime import Dist, choose_device, choose_dtype
+from model.sampling import GraphedDecodeStep
 
 VARIANTS = ("baseline", "fox", "castle", "castle_swl")
 PRO = dict(qk_norm=True, kv_shift=True, output_gate=True, output_norm=True)
+GRAPH_WARMUP = 3   # untimed calls of a graphed step: eager warm-ups, then the capture
 
 
 def parse(argv=None):
@@ -211,14 +214,30 @@ def cache_bytes(cache):
 
 # ----------------------------------------------------------------------------- one decode step
 
-def decode_step(model, cache, token, group):
-    """One token through the model with the cache, greedy, as GPT.generate_stream: the next token
-    is written into `token` (in place, so the step can be captured in a CUDA graph)."""
-    logits, _ = model(token, cache=cache, last_only=True)
+def greedy_token(logits, group):
+    """(B, T, V) logits -> the (B,) greedy tokens of the last position, rank 0's on every rank."""
     nxt = logits[:, -1].argmax(-1)
     if group is not None:
         dist.broadcast(nxt, dist.get_global_rank(group, 0), group=group)
-    token.copy_(nxt[:, None])
+    return nxt
+
+
+def decode_step(model, cache, token, group):
+    """One token through the model with the cache, greedy, as GPT.generate_stream: the next token
+    is written into `token`."""
+    logits, _ = model(token, cache=cache, last_only=True)
+    token.copy_(greedy_token(logits, group)[:, None])
+
+
+def graphed_step(model, cache, token, group):
+    """The same step as GPT.generate_stream(cuda_graph=True) replays it: static (InferenceCache.to_static, the
+    position on the device), captured with its collectives in a CUDA graph that also picks the token
+    (model/sampling.py GraphedDecodeStep); each call decodes the next position. Its first GRAPH_WARMUP calls
+    run eagerly, then it captures."""
+    step = GraphedDecodeStep(model, cache, token.size(0), warmup=GRAPH_WARMUP - 1,
+                             choose=functools.partial(greedy_token, group=group))
+    step.token.copy_(token)
+    return step
 
 
 # ----------------------------------------------------------------------------- timing
@@ -265,14 +284,6 @@ def time_steps(step, steps, warmup, group, device):
     return torch.quantile(times, torch.tensor([0.5, 0.1, 0.9], dtype=torch.float64)).tolist()
 
 
-def graphed(step):
-    """The step captured in a CUDA graph (the collectives too, NCCL supports capture)."""
-    from scripts.bench_tree import (
-        graphed as capture,  # the layer benchmark's helper (CUDA only)
-    )
-    return capture(step)
-
-
 # ----------------------------------------------------------------------------- check and rows
 
 def check_fill(model, args, group, device):
@@ -312,7 +323,7 @@ def check_tol(dtype, device):
 def run_row(model, args, ctx, group, device, dtype, graphs):
     """Fill a cache of ctx positions and time decode steps: the row (the same on every rank).
     A cache that does not fit on some rank (out of memory while filling) gives a row with a note
-    instead of numbers; so does a failed CUDA-graph capture."""
+    instead of numbers; so does a graph of layers that take no static step (CASTLE)."""
     world = dist.get_world_size(group) if group is not None else 1
     row = dict(ranks=world, ctx=ctx, variant=variant_name(model.config), mode="graph" if graphs else "eager",
                ms=None)
@@ -330,17 +341,16 @@ def run_row(model, args, ctx, group, device, dtype, graphs):
     token = torch.zeros(args.batch, 1, dtype=torch.long, device=device)
     step = functools.partial(decode_step, model, cache, token, group)
     if graphs:
-        try:
-            step = graphed(step)
-        except Exception as e:  # every rank fails the same capture, so none is left waiting
-            print(f"  capture failed: {type(e).__name__}: {e}", flush=True)
+        if reason := cache.static_refusal():
+            print(f"  no graph: {reason}", flush=True)
             del cache, step
-            return free(device, row, note="capture failed")
+            return free(device, row, note="no static step")
+        step = graphed_step(model, cache, token, group)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        med, p10, p90 = time_steps(step, args.steps, args.warmup, group, device)
+        med, p10, p90 = time_steps(step, args.steps, max(args.warmup, GRAPH_WARMUP if graphs else 0), group, device)
     except torch.OutOfMemoryError:  # safe with one rank; with several the others would hang
         del cache, step
         return free(device, row, note="out of memory in a step")

@@ -284,8 +284,7 @@ def test_every_attention_takes_cuda_graph():
 @pytest.mark.parametrize("kwargs, match", [
     ({}, "CUDA device"),                      # the model is on the CPU
     ({"use_cache": False}, "use_cache=True"),
-    ({"group": object()}, "process group"),
-])
+])   # with a process group: tests/test_sharded_decode.py
 def test_cuda_graph_option_errors_are_named(kwargs, match):
     model = model_of(GRAPH_VARIANTS["llama"], torch.float32)
     with pytest.raises(ValueError, match=match):
@@ -342,7 +341,7 @@ def test_cuda_graph_refuses_training_mode():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["cuda_graph=true", "sharded=true"], "does not combine with sharded=true"),
+    (["cuda_graph=compiled", "sharded=true"], "cuda_graph=compiled decodes on one GPU: with sharded=true pass"),
     (["cuda_graph=true", "device=cpu"], "cuda_graph=true needs a CUDA device"),
     (["cuda_graph=yes"], "cuda_graph"),
     (["cuda_graph=compiled", "device=cpu"], "cuda_graph=compiled needs a CUDA device"),
@@ -355,19 +354,20 @@ def test_sample_cuda_graph_option_errors(overrides, expected):
 @pytest.mark.parametrize("overrides, device, capability, blocks, mode", [
     ([], "cuda", (9, 0), LLAMA, "fused"), ([], "cuda", (10, 0), LLAMA, "fused"), ([], "cuda", (8, 0), LLAMA, True),
     ([], "cuda", (9, 0), dict(attention="fox", **LLAMA, **PRO), True), ([], "cuda", (9, 0), GPT2, True),
-    ([], "cpu", None, LLAMA, False), (["sharded=true"], "cuda", (9, 0), LLAMA, False),
+    ([], "cpu", None, LLAMA, False),
     (["cuda_graph=true"], "cuda", (9, 0), LLAMA, True), (["cuda_graph=fused"], "cuda", (8, 0), LLAMA, "fused"),
     (["cuda_graph=false"], "cuda", (9, 0), LLAMA, False)])
 def test_sample_cuda_graph_defaults_to_the_fastest_step_on_one_gpu(overrides, device, capability, blocks, mode,
                                                                   monkeypatch):
     """cuda_graph=auto, the default: the single-launch step for LLaMA blocks on a Hopper or newer GPU, a CUDA graph
-    of the step for other blocks or GPUs (every variant's graph is tested on a GPU), none on the CPU or sharded;
-    auto is never refused, any other value is passed on as given. The GPU's generation is the one query faked."""
+    of the step for other blocks or GPUs (every variant's graph is tested on a GPU), none on the CPU; auto is never
+    refused, any other value is passed on as given. The GPU's generation is the one query faked. (Sharded:
+    tests/test_sharded_decode.py, with a real process group.)"""
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    config = tiny(**{"n_head": 2, **blocks})
+    model = GPT(tiny(**{"n_head": 2, **blocks}))
     cfg = compose_config("sample", ["ckpt=x", *overrides])
     sample.check_sample_options(cfg)
-    got = sample.graph_mode(cfg, torch.device(device), config)
+    got = sample.graph_mode(cfg, torch.device(device), model, None)
     assert got == mode and type(got) is type(mode)
 
 

@@ -6,6 +6,8 @@ Model checks: each world size is spawned once (torch.multiprocessing, file init)
 variant; each rank computes the single-process reference itself (same seed, same weights), so a
 failure names the variant and the rank. On CPU (gloo) models are fp64, so that no greedy tie can
 flip a token; on GPUs (NCCL, when two are present) fp32, with the Triton kernels on both sides.
+The static step (what a CUDA graph replays) over the sharded caches is checked the same way, run eagerly;
+on GPUs also its graph.
 """
 import datetime
 import functools
@@ -14,6 +16,7 @@ import os
 import tempfile
 import time
 import traceback
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,6 +66,52 @@ def greedy(model, prompt, n, group=None, chunk=None):
     return torch.stack(tokens, 1), torch.stack(logits, 1), cache
 
 
+@torch.no_grad()
+def static_logits(model, prompt, tokens, group, chunk):
+    """Logits of the prompt's last position, then of each of `tokens` (B, n) fed as static steps (the ones a CUDA
+    graph replays, InferenceCache.to_static) over a cache sharded over `group`, run eagerly."""
+    cache = model.new_cache(prompt.size(0), prompt.size(1) + tokens.size(1) + 1, group=group)
+    for piece in prompt.split(chunk or prompt.size(1), dim=1):
+        logits = [model(piece, cache=cache, last_only=True)[0][:, -1]]
+    cache.to_static()
+    logits += [model(tokens[:, t:t + 1], cache=cache)[0][:, -1] for t in range(tokens.size(1))]
+    return torch.stack(logits, 1)
+
+
+def check_static_steps(model, name, prompt, want_tok, want_logits, group, chunk, tol, device):
+    """Failures of the sharded static step: softmax and FoX caches take it and equal single-process decoding;
+    CASTLE's refuse it by name, before any work in generate, and sample.py's cuda_graph=auto leaves it off; the
+    compiled and fused steps are refused with a group."""
+    import sample   # hydra and the entry point: only where this check runs
+    fails = []
+    takes_it = not name.startswith("castle")
+    if sample.graph_mode(SimpleNamespace(cuda_graph="auto"), torch.device("cuda"), model, group) != takes_it:
+        fails.append(f"sample.py's cuda_graph=auto is not {takes_it} sharded")
+    if not takes_it:
+        try:
+            model.generate(prompt, 2, temperature=0, group=group, cuda_graph=True)
+            fails.append("generate(cuda_graph=True) took a sharded CASTLE cache")
+        except ValueError as e:
+            if "sharded cache takes softmax and FoX layers, not CastleCache" not in str(e):
+                fails.append(f"unclear refusal: {e}")
+        return fails
+    try:
+        model.generate(prompt, 2, temperature=0, group=group, cuda_graph="compiled")
+        fails.append("generate(cuda_graph='compiled') took a sharded cache")
+    except ValueError as e:
+        if "cuda_graph='compiled' decodes on one device; a cache sharded over a process group takes" not in str(e):
+            fails.append(f"unclear refusal: {e}")
+    got = static_logits(model, prompt, want_tok[:, :-1], group, chunk)
+    err = (got - want_logits).abs().max().item()
+    if not err < tol:
+        fails.append(f"static steps: logits differ by {err:.3g}")
+    if device.type == "cuda":   # the graph of the sharded step: greedy tokens as the eager loop's
+        gen = model.generate(prompt, want_tok.size(1), temperature=0, group=group, prefill_chunk=chunk, cuda_graph=True)
+        if not torch.equal(gen[:, prompt.size(1):], want_tok):
+            fails.append("generate(cuda_graph=True) differs")
+    return fails
+
+
 # backend -> (model dtype, logit tolerance): fp64 on CPU, where the FoX and CASTLE biases pass
 # through fp32 (~1e-8); fp32 on GPUs, where the kernels may multiply in TF32
 SETUPS = {"gloo": (torch.float64, 1e-7), "nccl": (torch.float32, 1e-2)}
@@ -104,6 +153,8 @@ def check_variant(name, rank, world, device, backend):
         dist.all_gather_object(every, got_logits.cpu(), group=group)
         if not all(torch.equal(x, got_logits.cpu()) for x in every):
             fails.append(f"{case}: ranks hold different logits")
+        fails += [f"{case}: {f}" for f in check_static_steps(model, name, prompt, want_tok, want_logits, group,
+                                                              chunk, tol, device)]
     # sampling: each rank's RNG differs, the broadcast token keeps one stream
     torch.manual_seed(100 + rank)
     sampled = model.generate(prompt, 6, temperature=1.0, group=group).tolist()

@@ -62,8 +62,11 @@ class CastleCache(RoundRobinRows):
     Static steps (`position` set: to_static) keep every buffer and all Python state: the new position is the
     device tensor `position`, U, K^C, V^C row j holds position j, Q^U is a ring (position j at row j % its
     rows) and a step reads every row, masking those past the position; `length`, qu_end and the views keep
-    describing the cache as to_static found it.
+    describing the cache as to_static found it. Unsharded only: a sharded step updates the lookahead keys of
+    every rank's rows (castle_decode), which the static form does not do.
     """
+
+    static_sharded = False
 
     def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
                  causal_keys=True, silu=True):
@@ -161,7 +164,10 @@ class CastleCache(RoundRobinRows):
         that the caller advances after each step and keeps below the capacity. Unsharded caches only. Q^U
         moves into its ring and the unwritten rows are zeroed: a masked row must hold finite values, for
         the step reads it (its zero softmax weight times a NaN value would still be NaN)."""
-        super().to_static(position)                                    # refuses a sharded cache
+        if self.group is not None:
+            raise ValueError("CASTLE's static (CUDA-graph) steps take unsharded caches only (made without a "
+                             "process group): decode a sharded CASTLE model without cuda_graph")
+        super().to_static(position)
         t = self.length                                                # = n_local: row j is position j
         held = self.qu                                                 # positions t - len(held) .. t - 1
         R = self.capacity if self.window is None else min(self.window, self.capacity)   # owners a token reaches
