@@ -445,7 +445,7 @@ def attn_partial_triton(q, k, v, scale, bias, length=None, **launch):
     return merge_states(o.movedim(3, 0), lse.movedim(3, 0))
 
 
-def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4, num_stages=3, length=None):
+def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4, num_stages=None, length=None):
     """The split-KV kernel's partial states before their merge: out (B, Hq, n, S, D), lse (B, Hq, n, S), fp32,
     split s over keys s * m .. (s + 1) * m - 1 of the filled ones (split_keys: m whole tiles' worth)."""
     B, Hq, n, D = q.shape
@@ -457,6 +457,9 @@ def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=
     BLOCK_D = padded_head_dim(D)
     # the tiles the GPU tests validated (scripts/bench_tree.py --sweep times others)
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
+    # 16-bit heads of 128 without a bias keep 4 tiles of K and V in flight (128 KiB of shared memory): 16% faster
+    # over a 1M-key cache than 3; with FoX's bias 4% slower, so 3 there and elsewhere (docs/results.md)
+    num_stages = num_stages or (4 if BLOCK_D == 128 and k.element_size() == 2 and bias is None else 3)
     m_blocks = triton.cdiv(rows, BLOCK_M)
     if num_splits is None:  # flash-decoding: enough programs to fill the GPU a few times over
         num_splits = triton.cdiv(4 * _num_sms(q.device), B * Hkv * m_blocks)

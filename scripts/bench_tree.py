@@ -191,7 +191,8 @@ def sweep(args, rows):
     bytes_read = 2 * k.numel() * k.element_size()
     for block_n, warps, stages, splits_per_sm in [(64, 4, 3, 4), (32, 4, 3, 4), (128, 4, 3, 4),
                                                   (128, 8, 3, 4), (64, 4, 3, 2), (64, 4, 3, 8),
-                                                  (64, 8, 3, 4), (64, 2, 3, 4)]:
+                                                  (64, 8, 3, 4), (64, 2, 3, 4), (64, 4, 4, 4), (64, 4, 5, 4),
+                                                  (128, 4, 4, 4), (128, 8, 4, 4), (64, 4, 4, 8)]:
         splits = -(-splits_per_sm * torch.cuda.get_device_properties(0).multi_processor_count
                    // (args.batch * args.kv_heads))
         kw = dict(num_splits=splits, block_n=block_n, num_warps=warps, num_stages=stages)

@@ -68,8 +68,9 @@ def _build_schedule(tab, plan, d, F, H, CAP, pos, base_wo, base_wgu, base_wd, ba
                     TL: gl.constexpr):
     """Fill tab (TMAX, 4) int64 with this program's tiles of one layer, then the head's: (element offset from
     WQKV for layer 0, the offset's step per layer, row stride, rows | columns / VEC << 16 | columns of the row
-    after the last full one / VEC << 32). A cache tile is BT contiguous keys: WR rows of WK elements."""
-    (u0, u1, i0, i1, r0, r1, n0, n1, v0, v1, n_qkv, n_att, n_out, n_gu, per_layer) = plan
+    after the last full one / VEC << 32). A cache tile is BT contiguous keys: WR rows of WK elements. Returns
+    the tiles of one layer (those of attention counted here, as its items' keys are dealt)."""
+    (u0, u1, i0, i1, r0, r1, n0, n1, v0, v1, n_qkv, n_out, n_gu, n_down) = plan
     HD = H * D
     e = gl.arange(0, TMAX, layout=gl.SliceLayout(1, TL))
     zero = gl.zeros([TMAX], gl.int64, gl.SliceLayout(1, TL))
@@ -94,6 +95,8 @@ def _build_schedule(tab, plan, d, F, H, CAP, pos, base_wo, base_wgu, base_wd, ba
         step = gl.where(sel, H * CAP * D, step)
         K = gl.where(sel, WK, K)
         start += n
+    n_att = start
+    per_layer = n_qkv + n_att + n_out + n_gu + n_down
     # out, gate/up (each chunk: its gate pieces, then its up pieces), down
     a = e - n_qkv - n_att
     off, rows, cols, step, K = _where((a >= 0) & (a < n_out), (off, rows, cols, step, K),
@@ -116,6 +119,7 @@ def _build_schedule(tab, plan, d, F, H, CAP, pos, base_wo, base_wgu, base_wd, ba
     tab.store(gl.where(f == 0, off[:, None], gl.where(f == 1, step[:, None], gl.where(f == 2, K[:, None],
                                                                                      packed[:, None]))))
     gl.thread_barrier()
+    return per_layer
 
 
 @gluon.jit
@@ -258,19 +262,14 @@ def _llama_step_gluon(X, Q, PO, PM, PL, CNT, ATT, HID, LOGITS, BAR, POS,
     r0, r1 = _share(d, P)
     n0, n1 = _share(F, P)
     v0, v1 = _share(V, P)
-    n_att = 0
-    for it in range(i0, i1):
-        h, t0, tr, fresh = _item_keys(it, S, split, pos)
-        n_att += 2 * gl.cdiv(gl.maximum(tr - t0, 0), BT)
     n_qkv = gl.cdiv(2 * (u1 - u0), WR) * PD
     n_out = gl.cdiv(r1 - r0, WR) * PHD
     n_gu = gl.cdiv(n1 - n0, WR) * 2 * PD
     n_down = gl.cdiv(r1 - r0, WR) * PF
-    per_layer = n_qkv + n_att + n_out + n_gu + n_down
     n_head = gl.cdiv(v1 - v0, WR) * PD
-    _build_schedule(tab, (u0, u1, i0, i1, r0, r1, n0, n1, v0, v1, n_qkv, n_att, n_out, n_gu, per_layer),
-                    d, F, H, CAP, pos, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
-                    WK, BT, D, VEC, TMAX, PD, PF, PHD, S, split, TL)
+    per_layer = _build_schedule(tab, (u0, u1, i0, i1, r0, r1, n0, n1, v0, v1, n_qkv, n_out, n_gu, n_down),
+                                d, F, H, CAP, pos, base_wo, base_wgu, base_wd, base_wh, base_kc, base_vc,
+                                WK, BT, D, VEC, TMAX, PD, PF, PHD, S, split, TL)
     tab = tab._reinterpret(gl.int64, [TMAX, 1, 4], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     plan = (WQKV, L * per_layer + n_head, L, per_layer, 1.0 / per_layer.to(gl.float32))
     for s in gl.static_range(SLOTS - 1):
