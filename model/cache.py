@@ -219,11 +219,10 @@ class InferenceCache:
         self.position = position
 
     def static_refusal(self):
-        """Why these layers cannot take static steps (None: they can): a sharded CASTLE layer."""
-        refused = [type(layer).__name__ for layer in self.layers if layer.group is not None and not layer.static_sharded]
-        if refused:
-            return (f"static (CUDA-graph) decoding of a sharded cache takes softmax and FoX layers, not {refused[0]}: "
-                    "decode a sharded model of these layers without cuda_graph")
+        """Why these layers cannot take static steps (None: they can): a sharded CASTLE-SWL layer."""
+        if any(layer.group is not None and not layer.static_sharded for layer in self.layers):
+            return ("static (CUDA-graph) decoding of a sharded cache takes softmax, FoX and CASTLE layers, not "
+                    "CASTLE-SWL's: decode a sharded CASTLE-SWL model without cuda_graph")
         return None
 
     def advance(self, T):

@@ -836,7 +836,7 @@ class GPT(nn.Module):
         (GraphedDecodeStep) that also samples the next token, and the host launches each step without waiting
         for the one before (model/sampling.py replay_stream: a consumer that does not read every token on the
         host, such as `generate`, keeps the GPU busy); CUDA, with the cache; every attention's caches take its
-        static steps (model/cache.py InferenceCache.to_static), and with a group every softmax and FoX cache (the
+        static steps (model/cache.py InferenceCache.to_static), and with a group every cache but CASTLE-SWL's (the
         graph holds the step's collectives: tree attention's all-gathers, the token's broadcast). "compiled": the step is
         torch.compile'd before it is captured; "autotuned": with max-autotune (slower to start, faster per token);
         "fused": LLaMA blocks only, the whole step as one kernel launch (model/sampling.py FusedDecodeStep), logits

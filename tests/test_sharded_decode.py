@@ -79,20 +79,21 @@ def static_logits(model, prompt, tokens, group, chunk):
 
 
 def check_static_steps(model, name, prompt, want_tok, want_logits, group, chunk, tol, device):
-    """Failures of the sharded static step: softmax and FoX caches take it and equal single-process decoding;
-    CASTLE's refuse it by name, before any work in generate, and sample.py's cuda_graph=auto leaves it off; the
+    """Failures of the sharded static step: softmax, FoX and CASTLE caches take it and equal single-process
+    decoding; CASTLE-SWL's refuse it by name, before any work in generate, and sample.py's cuda_graph=auto leaves
+    it off; the
     compiled and fused steps are refused with a group."""
     import sample   # hydra and the entry point: only where this check runs
     fails = []
-    takes_it = not name.startswith("castle")
+    takes_it = not name.startswith("castle_swl")
     if sample.graph_mode(SimpleNamespace(cuda_graph="auto"), torch.device("cuda"), model, group) != takes_it:
         fails.append(f"sample.py's cuda_graph=auto is not {takes_it} sharded")
     if not takes_it:
         try:
             model.generate(prompt, 2, temperature=0, group=group, cuda_graph=True)
-            fails.append("generate(cuda_graph=True) took a sharded CASTLE cache")
+            fails.append("generate(cuda_graph=True) took a sharded CASTLE-SWL cache")
         except ValueError as e:
-            if "sharded cache takes softmax and FoX layers, not CastleCache" not in str(e):
+            if "sharded cache takes softmax, FoX and CASTLE layers, not CASTLE-SWL's" not in str(e):
                 fails.append(f"unclear refusal: {e}")
         return fails
     try:

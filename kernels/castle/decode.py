@@ -62,11 +62,10 @@ class CastleCache(RoundRobinRows):
     Static steps (`position` set: to_static) keep every buffer and all Python state: the new position is the
     device tensor `position`, U, K^C, V^C row j holds position j, Q^U is a ring (position j at row j % its
     rows) and a step reads every row, masking those past the position; `length`, qu_end and the views keep
-    describing the cache as to_static found it. Unsharded only: a sharded step updates the lookahead keys of
-    every rank's rows (castle_decode), which the static form does not do.
+    describing the cache as to_static found it. Sharded (CASTLE, not SWL), each rank keeps its rows in that
+    form: local row r of U, K^C, V^C and the ring is its r-th position held here, the rank that holds the
+    new position writes its rows (RoundRobinRows.write_static), and the rows past static_filled are masked.
     """
-
-    static_sharded = False
 
     def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
                  causal_keys=True, silu=True):
@@ -159,17 +158,23 @@ class CastleCache(RoundRobinRows):
             self.qu_buf[..., end: end + 1, :] = qu
         self.qu_end = end + 1
 
+    @property
+    def static_sharded(self):
+        """Whether a sharded cache takes static steps: CASTLE's, whose token reaches every earlier row held
+        here; not SWL's, whose ring would have to drop each rank's rows past the window."""
+        return self.window is None
+
     def to_static(self, position):
         """Continue with static steps (class docstring) from the device-held position, a (1,) long tensor
-        that the caller advances after each step and keeps below the capacity. Unsharded caches only. Q^U
-        moves into its ring and the unwritten rows are zeroed: a masked row must hold finite values, for
-        the step reads it (its zero softmax weight times a NaN value would still be NaN)."""
-        if self.group is not None:
-            raise ValueError("CASTLE's static (CUDA-graph) steps take unsharded caches only (made without a "
-                             "process group): decode a sharded CASTLE model without cuda_graph")
+        that the caller advances after each step and keeps below the capacity. Q^U moves into its ring and
+        the unwritten rows are zeroed: a masked row must hold finite values, for the step reads it (its
+        zero softmax weight times a NaN value would still be NaN)."""
+        if self.group is not None and not self.static_sharded:
+            raise ValueError("CASTLE-SWL's static (CUDA-graph) steps take unsharded caches only (made without a "
+                             "process group): decode a sharded CASTLE-SWL model without cuda_graph")
         super().to_static(position)
-        t = self.length                                                # = n_local: row j is position j
-        held = self.qu                                                 # positions t - len(held) .. t - 1
+        t = self.n_local                                               # local rows filled
+        held = self.qu                                                 # local rows t - len(held) .. t - 1
         R = self.capacity if self.window is None else min(self.window, self.capacity)   # owners a token reaches
         ring = self.qu_buf.new_zeros(*self.qu_buf.shape[:2], R, self.qu_buf.shape[-1])
         if R:
@@ -198,9 +203,10 @@ class CastleCache(RoundRobinRows):
     def _add_lookahead_static(self, ku, vu):
         """add_lookahead at the device-held position t, over the whole Q^U ring of R rows: row r holds the
         newest position p_r < t with p_r = r mod R, and t - R <= p_r, so every owner of t is there (SWL:
-        R = W; CASTLE: R = capacity, p_r = r). The rows with p_r < 0 hold no position yet: their terms go to
-        U rows at or past t (CASTLE: row r; SWL: p_r mod capacity, distinct rows), which no step reads
-        unmasked before append zeroes them (u_t = 0), so they need no mask."""
+        R = W; CASTLE: R = capacity, p_r = r, sharded the r-th position held here). The rows with p_r < 0 (or
+        no position held yet) hold none: their terms go to U rows at or past t (CASTLE: row r; SWL: p_r mod
+        capacity, distinct rows), which no step reads unmasked before append zeroes them (u_t = 0), so they
+        need no mask."""
         R = self.qu_buf.shape[-2]
         if not R:                                                      # SWL with W = 0: no owners
             return
@@ -230,21 +236,21 @@ class CastleCache(RoundRobinRows):
         self.length = t + 1
 
     def _append_static(self, qu, kc, vc):
-        """append at the device-held position: its U row zeroed, K^C, V^C at its row, q^U at its ring row
-        (over the position t - R whose lookahead key t was the last token to reach)."""
-        t = self.position
-        self.u_buf.index_fill_(2, t, 0)
+        """append at the device-held position, on the rank that holds it: its U row zeroed, K^C, V^C at its
+        row, q^U at its ring row (over the position t - R whose lookahead key t was the last token to reach)."""
+        row = self.static_row()
+        self.write_static(self.u_buf, row, torch.zeros_like(vc, dtype=self.u_buf.dtype))
         for buf, x in ((self.kc_buf, kc), (self.vc_buf, vc)):
             if buf is not None:
-                buf.index_copy_(2, t, x.to(buf.dtype))
+                self.write_static(buf, row, x)
         self.store_qu_static(qu)
 
     def store_qu_static(self, qu):
-        """q^U (B, H, 1, D) of the device-held position t into its Q^U ring row, t mod the ring's rows: after
-        the step has read the owners, for the row held owner t - R (SWL: R = W)."""
+        """q^U (B, H, 1, D) of the device-held position t into its Q^U ring row, its local row mod the ring's
+        rows (t mod R unsharded): after the step has read the owners, for the row held owner t - R (SWL: R = W)."""
         R = self.qu_buf.shape[-2]
         if R:
-            self.qu_buf.index_copy_(2, self.position % R, qu.to(self.qu_buf.dtype))
+            self.write_static(self.qu_buf, self.static_row() % R, qu)
 
     def lookahead_bias(self, qc):
         """The lookahead part of the logits of query q^C (B, H, 1, D) for every row a step reads (`rows`),
@@ -252,7 +258,8 @@ class CastleCache(RoundRobinRows):
         static step the rows past the position are masked (-inf)."""
         bias = lookahead_logit(self.scale * (qc.to(self.u_buf.dtype) @ self.u.mT), self.silu)
         if self.position is not None:
-            bias = bias.masked_fill(torch.arange(self.capacity, device=self.device) > self.position, float("-inf"))
+            past = torch.arange(self.capacity, device=self.device) >= self.static_filled()
+            bias = bias.masked_fill(past, float("-inf"))
         return bias
 
     def extend(self, u, qu, kc, vc):
