@@ -66,7 +66,7 @@ def graph_mode(cfg, device, model, group):
     if device.type != "cuda":
         return False
     if group is not None:
-        return model.new_cache(1, 1, group=group).static_refusal() is None   # a probe: one row per layer
+        return model.static_refusal(group) is None
     hopper = torch.cuda.get_device_capability(device) >= (9, 0)
     return "fused" if hopper and fused_step_unsupported(model.config) is None else True
 

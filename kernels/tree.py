@@ -265,7 +265,7 @@ class RoundRobinRows:
     A cache subclasses this and keeps `length`, the positions of all ranks (the same on every rank), and
     `position`, set for static steps (to_static). static_sharded: whether its static steps take a group."""
 
-    static_sharded = True
+    static_sharded = True   # a subclass that says False names why in SHARDED_STATIC_REFUSAL
 
     def __init__(self, group, device):
         self.group = group
@@ -278,6 +278,8 @@ class RoundRobinRows:
     def to_static(self, position):
         """Continue with static steps, the ones a CUDA graph replays: the next position is read from
         `position`, a (1,) long device tensor the caller advances (the same on every rank)."""
+        if self.group is not None and not self.static_sharded:
+            raise ValueError(self.SHARDED_STATIC_REFUSAL)
         self.position = position
 
     def static_row(self):

@@ -220,10 +220,8 @@ class InferenceCache:
 
     def static_refusal(self):
         """Why these layers cannot take static steps (None: they can): a sharded CASTLE-SWL layer."""
-        if any(layer.group is not None and not layer.static_sharded for layer in self.layers):
-            return ("static (CUDA-graph) decoding of a sharded cache takes softmax, FoX and CASTLE layers, not "
-                    "CASTLE-SWL's: decode a sharded CASTLE-SWL model without cuda_graph")
-        return None
+        refused = [layer for layer in self.layers if layer.group is not None and not layer.static_sharded]
+        return refused[0].SHARDED_STATIC_REFUSAL if refused else None
 
     def advance(self, T):
         if self.position is not None:

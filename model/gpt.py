@@ -893,6 +893,11 @@ class GPT(nn.Module):
                                         use_cache, group, prefill_chunk, cuda_graph))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
+    def static_refusal(self, group):
+        """Why this model's caches sharded over `group` cannot take static (CUDA-graph) steps (None: they can),
+        from a probe cache of one row per layer."""
+        return self.new_cache(1, 1, group=group).static_refusal()
+
     def check_cuda_graph(self, cuda_graph, idx, use_cache, group):
         """Raise a ValueError naming what keeps cuda_graph (any of CUDA_GRAPH_MODES) from decoding this model this way."""
         if cuda_graph not in CUDA_GRAPH_MODES:
@@ -908,7 +913,7 @@ class GPT(nn.Module):
             if cuda_graph is not True:
                 raise ValueError(f"cuda_graph={cuda_graph!r} decodes on one device; a cache sharded over a process "
                                  "group takes cuda_graph=True")
-            if reason := self.new_cache(1, 1, group=group).static_refusal():   # a probe: one row per layer
+            if reason := self.static_refusal(group):
                 raise ValueError(reason)
         if self.training:
             raise ValueError("cuda_graph=True decodes in eval mode: call model.eval() first")

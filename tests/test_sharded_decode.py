@@ -81,8 +81,7 @@ def static_logits(model, prompt, tokens, group, chunk):
 def check_static_steps(model, name, prompt, want_tok, want_logits, group, chunk, tol, device):
     """Failures of the sharded static step: softmax, FoX and CASTLE caches take it and equal single-process
     decoding; CASTLE-SWL's refuse it by name, before any work in generate, and sample.py's cuda_graph=auto leaves
-    it off; the
-    compiled and fused steps are refused with a group."""
+    it off; the compiled and fused steps are refused with a group."""
     import sample   # hydra and the entry point: only where this check runs
     fails = []
     takes_it = not name.startswith("castle_swl")

@@ -158,6 +158,9 @@ class CastleCache(RoundRobinRows):
             self.qu_buf[..., end: end + 1, :] = qu
         self.qu_end = end + 1
 
+    SHARDED_STATIC_REFUSAL = ("static (CUDA-graph) decoding of a sharded cache takes softmax, FoX and CASTLE layers, "
+                              "not CASTLE-SWL's: decode a sharded CASTLE-SWL model without cuda_graph")
+
     @property
     def static_sharded(self):
         """Whether a sharded cache takes static steps: CASTLE's, whose token reaches every earlier row held
@@ -169,10 +172,7 @@ class CastleCache(RoundRobinRows):
         that the caller advances after each step and keeps below the capacity. Q^U moves into its ring and
         the unwritten rows are zeroed: a masked row must hold finite values, for the step reads it (its
         zero softmax weight times a NaN value would still be NaN)."""
-        if self.group is not None and not self.static_sharded:
-            raise ValueError("CASTLE-SWL's static (CUDA-graph) steps take unsharded caches only (made without a "
-                             "process group): decode a sharded CASTLE-SWL model without cuda_graph")
-        super().to_static(position)
+        super().to_static(position)                                    # refuses a sharded SWL cache
         t = self.n_local                                               # local rows filled
         held = self.qu                                                 # local rows t - len(held) .. t - 1
         R = self.capacity if self.window is None else min(self.window, self.capacity)   # owners a token reaches
