@@ -11,8 +11,8 @@ sequence axis over the N processes, which all run the same tokens; only rank 0 p
     torchrun --nproc_per_node=N sample.py ckpt=... prompt=... sharded=true
 
 cuda_graph=auto (the default) is fused for LLaMA blocks on one Hopper (or newer) GPU, true on other single CUDA
-devices and models and on sharded models but CASTLE-SWL, and false on the CPU and on sharded CASTLE-SWL models.
-cuda_graph=true (every attention on one GPU; sharded, every attention but CASTLE-SWL): after the prompt, every token is one replay of a
+devices and models and on sharded models, and false on the CPU.
+cuda_graph=true (every attention, on one GPU or sharded): after the prompt, every token is one replay of a
 CUDA graph of the decode step (GPT.generate_stream), not hundreds of kernel launches; cuda_graph=compiled
 torch.compiles the step first (fewer, fused kernels; compiling takes a minute); cuda_graph=autotuned also
 tunes its matmuls and kernels (minutes more, ~18% faster per token at batch 1); cuda_graph=fused (LLaMA
@@ -58,15 +58,15 @@ def check_sample_options(cfg):
 
 def graph_mode(cfg, device, model, group):
     """cuda_graph as GPT.generate_stream takes it for `model`; any value but auto as given. auto: none on the CPU;
-    sharded (a process group), a graph of the sharded step (True) where every layer takes it (all but CASTLE-SWL),
-    else none; on one CUDA device the single-launch step ("fused", 4x a graph of the step at batch 1) where it
-    applies (LLaMA blocks) on Hopper or newer, the GPUs it is tested and timed on; else True."""
+    sharded (a process group), a graph of the sharded step (True); on one CUDA device the single-launch step
+    ("fused", 4x a graph of the step at batch 1) where it applies (LLaMA blocks) on Hopper or newer, the GPUs it
+    is tested and timed on; else True."""
     if cfg.cuda_graph != "auto":
         return cfg.cuda_graph
     if device.type != "cuda":
         return False
     if group is not None:
-        return model.static_refusal(group) is None
+        return True
     hopper = torch.cuda.get_device_capability(device) >= (9, 0)
     return "fused" if hopper and fused_step_unsupported(model.config) is None else True
 

@@ -263,9 +263,7 @@ class RoundRobinRows:
     waits for the largest). Without a group (or with one rank) row j is position j.
 
     A cache subclasses this and keeps `length`, the positions of all ranks (the same on every rank), and
-    `position`, set for static steps (to_static). static_sharded: whether its static steps take a group."""
-
-    static_sharded = True   # a subclass that says False names why in SHARDED_STATIC_REFUSAL
+    `position`, set for static steps (to_static)."""
 
     def __init__(self, group, device):
         self.group = group
@@ -278,14 +276,16 @@ class RoundRobinRows:
     def to_static(self, position):
         """Continue with static steps, the ones a CUDA graph replays: the next position is read from
         `position`, a (1,) long device tensor the caller advances (the same on every rank)."""
-        if self.group is not None and not self.static_sharded:
-            raise ValueError(self.SHARDED_STATIC_REFUSAL)
         self.position = position
 
     def static_row(self):
         """A static step's local row of its position (a device tensor): where the rank that holds it writes.
         (Unsharded, the position itself: no kernel for the division in every layer's step.)"""
         return self.position if self.world == 1 else self.position // self.world
+
+    def rows_before_position(self):
+        """Local rows of the positions before a static step's position (device tensor; rows_before(position))."""
+        return self.position if self.world == 1 else (self.position - self.rank + self.world - 1) // self.world
 
     def static_filled(self):
         """Local rows a static step attends over (device tensor): positions 0 .. position held here, its own

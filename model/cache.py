@@ -209,19 +209,11 @@ class InferenceCache:
     def to_static(self):
         """Continue with static steps from position `pos`: every layer cache turns static on the shared
         device-held position (a CastleCache also rearranges its buffers, a RecurrentCache moves its state into
-        fixed ones). A sharded cache's layers must all take sharded static steps (`static_sharded`), which is
-        checked before any layer changes."""
-        if reason := self.static_refusal():
-            raise ValueError(reason)
+        fixed ones)."""
         position = torch.tensor([self.pos], device=self.layers[0].device)
         for layer in self.layers:
             layer.to_static(position)
         self.position = position
-
-    def static_refusal(self):
-        """Why these layers cannot take static steps (None: they can): a sharded CASTLE-SWL layer."""
-        refused = [layer for layer in self.layers if layer.group is not None and not layer.static_sharded]
-        return refused[0].SHARDED_STATIC_REFUSAL if refused else None
 
     def advance(self, T):
         if self.position is not None:

@@ -836,8 +836,8 @@ class GPT(nn.Module):
         (GraphedDecodeStep) that also samples the next token, and the host launches each step without waiting
         for the one before (model/sampling.py replay_stream: a consumer that does not read every token on the
         host, such as `generate`, keeps the GPU busy); CUDA, with the cache; every attention's caches take its
-        static steps (model/cache.py InferenceCache.to_static), and with a group every cache but CASTLE-SWL's (the
-        graph holds the step's collectives: tree attention's all-gathers, the token's broadcast). "compiled": the step is
+        static steps (model/cache.py InferenceCache.to_static), also sharded over a group (the graph then holds the
+        step's collectives: tree attention's all-gathers, the token's broadcast). "compiled": the step is
         torch.compile'd before it is captured; "autotuned": with max-autotune (slower to start, faster per token);
         "fused": LLaMA blocks only, the whole step as one kernel launch (model/sampling.py FusedDecodeStep), logits
         in fp32.
@@ -893,11 +893,6 @@ class GPT(nn.Module):
                                         use_cache, group, prefill_chunk, cuda_graph))
         return torch.cat([idx] + [t[:, None] for t in new], dim=1)
 
-    def static_refusal(self, group):
-        """Why this model's caches sharded over `group` cannot take static (CUDA-graph) steps (None: they can),
-        from a probe cache of one row per layer."""
-        return self.new_cache(1, 1, group=group).static_refusal()
-
     def check_cuda_graph(self, cuda_graph, idx, use_cache, group):
         """Raise a ValueError naming what keeps cuda_graph (any of CUDA_GRAPH_MODES) from decoding this model this way."""
         if cuda_graph not in CUDA_GRAPH_MODES:
@@ -909,12 +904,9 @@ class GPT(nn.Module):
                              f"batch-1 latency), not {idx.size(0)}: use cuda_graph='compiled'")
         if not use_cache:
             raise ValueError("cuda_graph=True replays a cached decode step: it needs use_cache=True")
-        if group is not None and dist.get_world_size(group) > 1:
-            if cuda_graph is not True:
-                raise ValueError(f"cuda_graph={cuda_graph!r} decodes on one device; a cache sharded over a process "
-                                 "group takes cuda_graph=True")
-            if reason := self.static_refusal(group):
-                raise ValueError(reason)
+        if group is not None and dist.get_world_size(group) > 1 and cuda_graph is not True:
+            raise ValueError(f"cuda_graph={cuda_graph!r} decodes on one device; a cache sharded over a process "
+                             "group takes cuda_graph=True")
         if self.training:
             raise ValueError("cuda_graph=True decodes in eval mode: call model.eval() first")
         if not (idx.is_cuda and self.lm_head.weight.is_cuda):

@@ -22,8 +22,7 @@ greedy argmax and (N > 1) the broadcast of the token from rank 0, as GPT.generat
 cache grows by one position per step. Timing follows scripts/bench_tree.py: warm-up steps, then a
 barrier before each step, CUDA events on GPU (perf_counter on CPU), a step lasts as long as its
 slowest rank, median (p10, p90) over steps. `--graphs` also times the step as
-`GPT.generate(cuda_graph=True)` replays it (a static step captured in a CUDA graph with its collectives; every
-variant but CASTLE-SWL, whose row gets a note). "peak GiB" is
+`GPT.generate(cuda_graph=True)` replays it (a static step captured in a CUDA graph with its collectives). "peak GiB" is
 torch.cuda.max_memory_allocated over the decode steps (weights + cache + transients; max over
 ranks; "-" on CPU); "cache GiB" the cache tensors one rank holds.
 """
@@ -323,7 +322,7 @@ def check_tol(dtype, device):
 def run_row(model, args, ctx, group, device, dtype, graphs):
     """Fill a cache of ctx positions and time decode steps: the row (the same on every rank).
     A cache that does not fit on some rank (out of memory while filling) gives a row with a note
-    instead of numbers; so does a graph of layers that take no static step (CASTLE-SWL)."""
+    instead of numbers."""
     world = dist.get_world_size(group) if group is not None else 1
     row = dict(ranks=world, ctx=ctx, variant=variant_name(model.config), mode="graph" if graphs else "eager",
                ms=None)
@@ -341,10 +340,6 @@ def run_row(model, args, ctx, group, device, dtype, graphs):
     token = torch.zeros(args.batch, 1, dtype=torch.long, device=device)
     step = functools.partial(decode_step, model, cache, token, group)
     if graphs:
-        if reason := cache.static_refusal():
-            print(f"  no graph: {reason}", flush=True)
-            del cache, step
-            return free(device, row, note="no static step")
         step = graphed_step(model, cache, token, group)
     sync(device)
     if device.type == "cuda":

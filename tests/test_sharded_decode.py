@@ -78,23 +78,13 @@ def static_logits(model, prompt, tokens, group, chunk):
     return torch.stack(logits, 1)
 
 
-def check_static_steps(model, name, prompt, want_tok, want_logits, group, chunk, tol, device):
-    """Failures of the sharded static step: softmax, FoX and CASTLE caches take it and equal single-process
-    decoding; CASTLE-SWL's refuse it by name, before any work in generate, and sample.py's cuda_graph=auto leaves
-    it off; the compiled and fused steps are refused with a group."""
+def check_static_steps(model, prompt, want_tok, want_logits, group, chunk, tol, device):
+    """Failures of the sharded static step: every variant's caches take it (sample.py's cuda_graph=auto picks it)
+    and equal single-process decoding; the compiled and fused steps are refused with a group."""
     import sample   # hydra and the entry point: only where this check runs
     fails = []
-    takes_it = not name.startswith("castle_swl")
-    if sample.graph_mode(SimpleNamespace(cuda_graph="auto"), torch.device("cuda"), model, group) != takes_it:
-        fails.append(f"sample.py's cuda_graph=auto is not {takes_it} sharded")
-    if not takes_it:
-        try:
-            model.generate(prompt, 2, temperature=0, group=group, cuda_graph=True)
-            fails.append("generate(cuda_graph=True) took a sharded CASTLE-SWL cache")
-        except ValueError as e:
-            if "sharded cache takes softmax, FoX and CASTLE layers, not CASTLE-SWL's" not in str(e):
-                fails.append(f"unclear refusal: {e}")
-        return fails
+    if sample.graph_mode(SimpleNamespace(cuda_graph="auto"), torch.device("cuda"), model, group) is not True:
+        fails.append("sample.py's cuda_graph=auto is not True sharded")
     try:
         model.generate(prompt, 2, temperature=0, group=group, cuda_graph="compiled")
         fails.append("generate(cuda_graph='compiled') took a sharded cache")
@@ -153,7 +143,7 @@ def check_variant(name, rank, world, device, backend):
         dist.all_gather_object(every, got_logits.cpu(), group=group)
         if not all(torch.equal(x, got_logits.cpu()) for x in every):
             fails.append(f"{case}: ranks hold different logits")
-        fails += [f"{case}: {f}" for f in check_static_steps(model, name, prompt, want_tok, want_logits, group,
+        fails += [f"{case}: {f}" for f in check_static_steps(model, prompt, want_tok, want_logits, group,
                                                               chunk, tol, device)]
     # sampling: each rank's RNG differs, the broadcast token keeps one stream
     torch.manual_seed(100 + rank)

@@ -8,9 +8,10 @@ decode kernels. CASTLE (arXiv:2509.07301) §2.4 and Appendix 9: eq (13) updates 
 
 A cache made with a process group holds only this rank's positions (round robin, RoundRobinRows); every
 rank runs the same tokens, and a decode step merges the ranks' partial attention exactly by tree attention
-(kernels/tree.py). Without a group it holds every position, and a step runs in PyTorch ops or as one
-Triton kernel. An unsharded cache can also take static steps (CastleCache.to_static), the ones a CUDA graph
-replays: the position lives on the device and a step runs in PyTorch ops over the whole preallocated buffers.
+(kernels/tree.py). Without a group it holds every position. A step runs in PyTorch ops or as one Triton kernel
+over the rows held here (then the merge, sharded). A cache can also take static steps (CastleCache.to_static),
+the ones a CUDA graph replays: the position lives on the device and the kernel reads it there (the PyTorch ops
+read the whole preallocated buffers with the rows past it masked).
 
 The ablations of arXiv:2509.07301 §5.2 (reference.lookahead_logit) are properties of the cache: one made with
 causal_keys=False holds no K^C (a UQ-V cache; prefill and decode then take kc=None), one made with
@@ -21,11 +22,13 @@ import torch
 from kernels.castle.reference import blockwise_forward, check_inputs, lookahead_logit, to_blocks
 from kernels.castle.triton import default_config, triton_forward
 from kernels.sdpa import decode_sdpa
-from kernels.tree import RoundRobinRows
+from kernels.tree import NEG, RoundRobinRows, tree_merge
 from kernels.triton_utils import at_least_fp32, deal_keys, interpreting, padded_head_dim, require_triton, tl, triton
 
 if triton is not None:
     from kernels.triton_utils import LOG2E, split_keys
+
+    _NEG = tl.constexpr(NEG)  # jit code may only read constexpr globals
 
 
 def _grown(buf, filled, rows):
@@ -62,9 +65,10 @@ class CastleCache(RoundRobinRows):
     Static steps (`position` set: to_static) keep every buffer and all Python state: the new position is the
     device tensor `position`, U, K^C, V^C row j holds position j, Q^U is a ring (position j at row j % its
     rows) and a step reads every row, masking those past the position; `length`, qu_end and the views keep
-    describing the cache as to_static found it. Sharded (CASTLE, not SWL), each rank keeps its rows in that
-    form: local row r of U, K^C, V^C and the ring is its r-th position held here, the rank that holds the
-    new position writes its rows (RoundRobinRows.write_static), and the rows past static_filled are masked.
+    describing the cache as to_static found it. Sharded, each rank keeps its rows in that form: local row r of
+    U, K^C, V^C is its r-th position held here (the ring holds local row r at row r % its rows), the rank that
+    holds the new position writes its rows (RoundRobinRows.write_static), and the rows past static_filled are
+    masked.
     """
 
     def __init__(self, batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
@@ -158,21 +162,12 @@ class CastleCache(RoundRobinRows):
             self.qu_buf[..., end: end + 1, :] = qu
         self.qu_end = end + 1
 
-    SHARDED_STATIC_REFUSAL = ("static (CUDA-graph) decoding of a sharded cache takes softmax, FoX and CASTLE layers, "
-                              "not CASTLE-SWL's: decode a sharded CASTLE-SWL model without cuda_graph")
-
-    @property
-    def static_sharded(self):
-        """Whether a sharded cache takes static steps: CASTLE's, whose token reaches every earlier row held
-        here; not SWL's, whose ring would have to drop each rank's rows past the window."""
-        return self.window is None
-
     def to_static(self, position):
         """Continue with static steps (class docstring) from the device-held position, a (1,) long tensor
         that the caller advances after each step and keeps below the capacity. Q^U moves into its ring and
         the unwritten rows are zeroed: a masked row must hold finite values, for the step reads it (its
         zero softmax weight times a NaN value would still be NaN)."""
-        super().to_static(position)                                    # refuses a sharded SWL cache
+        super().to_static(position)
         t = self.n_local                                               # local rows filled
         held = self.qu                                                 # local rows t - len(held) .. t - 1
         R = self.capacity if self.window is None else min(self.window, self.capacity)   # owners a token reaches
@@ -201,22 +196,28 @@ class CastleCache(RoundRobinRows):
             self.u_buf[..., end - n: end, :].addcmul_(self._lookahead_weights(owners, ku), vu.to(self.u_buf.dtype))
 
     def _add_lookahead_static(self, ku, vu):
-        """add_lookahead at the device-held position t, over the whole Q^U ring of R rows: row r holds the
-        newest position p_r < t with p_r = r mod R, and t - R <= p_r, so every owner of t is there (SWL:
-        R = W; CASTLE: R = capacity, p_r = r, sharded the r-th position held here). The rows with p_r < 0 (or
-        no position held yet) hold none: their terms go to U rows at or past t (CASTLE: row r; SWL: p_r mod
-        capacity, distinct rows), which no step reads unmasked before append zeroes them (u_t = 0), so they
-        need no mask."""
+        """add_lookahead at the device-held position t, over the whole Q^U ring of R rows: ring row i holds the
+        newest local row r_i < n (n: the rows held here of positions before t) with r_i = i mod R, so the last R
+        rows held here are there, and with them every owner of t (CASTLE: R = capacity, r_i = i; SWL: R = W, and
+        a rank holds at most W of the W positions before t). Rows with r_i < 0 hold none: their terms go to U
+        rows at or past n (r_i mod capacity, distinct rows), which no step reads unmasked before append zeroes
+        them (u_t = 0), so they need no mask. Sharded SWL: the ring's rows span R * world positions, so those
+        before t - W, which the token no longer reaches, are masked."""
         R = self.qu_buf.shape[-2]
         if not R:                                                      # SWL with W = 0: no owners
             return
         w, vu = self._lookahead_weights(self.qu_buf, ku), vu.to(self.u_buf.dtype)      # (B, H, R, 1)
-        if R == self.capacity:                                         # ring row r is U row r
+        rows = torch.arange(R, device=self.device)
+        if R < self.capacity:
+            last = self.rows_before_position() - 1
+            rows = last - (last - rows) % R
+        if self.world > 1 and self.window is not None:
+            reached = self.rank + self.world * rows >= self.position - self.window
+            w = w * reached.to(w.dtype)[:, None]
+        if R == self.capacity:                                         # ring row i is U row i
             self.u_buf.addcmul_(w, vu)
         else:
-            last = self.position - 1
-            p = last - (last - torch.arange(R, device=self.device)) % R
-            self.u_buf.index_add_(2, p % self.capacity, w * vu)
+            self.u_buf.index_add_(2, rows % self.capacity, w * vu)
 
     def append(self, qu, kc, vc):
         """Store position `length` on the rank that holds it: u = 0 (eq (13)), and q^U, k^C, v^C given as
@@ -337,9 +338,10 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
 
     impl: "triton" does the whole step in two launches (_decode_triton), fp32 math on the cached
     operands; "torch" in PyTorch ops, the causal part through SDPA with the per-key bias -SiLU(s q^C u_j^T)
-    (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul); with a
-    process group, tree attention over the ranks' rows with that bias in fp32 (torch only); "auto" takes
-    "triton" on CUDA unless autograd would need the graph (the kernels keep none) or the cache is sharded.
+    (for 16-bit inputs the bias is rounded to the input dtype and q^U k^U is a 16-bit matmul), with a
+    process group tree attention over the ranks' rows with that bias in fp32 (the kernel, sharded, merges its
+    partial state the same way); "auto" takes "triton" on CUDA unless autograd would need the graph (the kernels
+    keep none).
     A static cache (CastleCache.to_static) is decoded at its device-held position: the kernel reads it there
     and skips the rows past it; the torch step reads the whole buffers with those rows masked."""
     check_inputs(qc, kc, vc, qu, ku, vu, cache.window)
@@ -357,7 +359,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     if impl == "auto":
         tracked = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (qc, kc, vc, qu, ku, vu))
         fused = qc.is_cuda and triton is not None and qc.dtype != torch.float64 and not tracked
-        impl = "triton" if fused and cache.world == 1 else "torch"
+        impl = "triton" if fused else "torch"
     if impl == "triton":
         return _decode_triton(cache, qc, kc, vc, qu, ku, vu), cache
     cache.add_lookahead(ku, vu)                                              # eq (13)
@@ -385,28 +387,30 @@ def _sdpa_mask(bias, dtype):
 # The fused decode step (one rank's whole cache)
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["t", "n_owners", "qu_shift", "qu_row", "per_split"])
+    @triton.jit(do_not_specialize=["t", "n_owners", "qu_shift", "qu_row", "per_split", "rank"])
     def _castle_decode_kernel(
         U, QUB, KCB, VCB, PART, QC, sqc_b, sqc_h, KC, skc_b, skc_h, VC, svc_b, svc_h, QU, squ_b, squ_h,
         KU, sku_b, sku_h, VU, svu_b, svu_h, H, cap, qu_rows, t, n_owners, qu_shift, qu_row, per_split, POS,
-        scale: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
+        world, rank, scale: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BT: tl.constexpr,
         CAUSAL_KEYS: tl.constexpr, SILU: tl.constexpr, STATIC: tl.constexpr,
     ):
-        """Program (head bh, split): cached positions [split * per_split, ...) of the new position t, BT at
-        a time. Owners j (t - n_owners <= j < t) take the token into their lookahead key, u_j += sigma(s
-        q^U_j . k^U_t) v^U_t (eq 13, written back in place); then every position's score s q^C_t . k^C_j -
-        SiLU(s q^C_t . u_j) (eqs 5-7) enters an online softmax whose state (m, l, acc), in log2 units, goes
-        to PART for _castle_decode_combine_kernel (split-K over positions, as flash-decoding does). The
-        split holding t writes the position's rows: u_t = 0, k^C_t, v^C_t, and q^U_t at qu_row (if >= 0).
-        U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH, qu_rows, D), position j at row
-        j - qu_shift; the new position's six vectors come with their own (batch, head) strides (views of
-        the model's projections, some rotated, need no copy). CAUSAL_KEYS, SILU: off for the ablations (module
-        docstring); without causal keys KCB and KC are never read. STATIC (a static cache, CastleCache.to_static):
-        t is read from POS on the device, n_owners = min(t, n_owners) and Q^U is a ring (position j at row
-        j mod qu_rows) that the host writes q^U_t into after this kernel (qu_row = -1): its row is owner
-        t - qu_rows's, which another program may still read. Its splits share positions 0..t (split_keys;
-        per_split is ignored), so a cache far from full keeps every split at work. A split past the last
-        position (a step early in the cache) writes an empty state (m = -inf, l = 0)."""
+        """Program (head bh, split): the rows [split * per_split, ...) this rank holds of positions 0..t (t the
+        new position), BT at a time; row j holds position rank + world * j (RoundRobinRows; row j is position
+        j unsharded). Rows of the owners, the n_owners positions before t, take the token into their lookahead
+        key, u_j += sigma(s q^U_j . k^U_t) v^U_t (eq 13, written back in place); then every row's score
+        s q^C_t . k^C_j - SiLU(s q^C_t . u_j) (eqs 5-7) enters an online softmax whose state (m, l, acc), in
+        log2 units, goes to PART for _castle_decode_combine_kernel (split-K over rows, as flash-decoding
+        does). On the rank that holds t, the split holding its row writes the position's rows: u_t = 0, k^C_t,
+        v^C_t, and q^U_t at qu_row (if >= 0). U, K^C, V^C buffers: contiguous (BH, cap, D); Q^U buffer (BH,
+        qu_rows, D), row j at row j - qu_shift; the new position's six vectors come with their own (batch,
+        head) strides (views of the model's projections, some rotated, need no copy). CAUSAL_KEYS, SILU: off
+        for the ablations (module docstring); without causal keys KCB and KC are never read. STATIC (a static
+        cache, CastleCache.to_static): t is read from POS on the device, n_owners = min(t, n_owners) and Q^U
+        is a ring (row j at ring row j mod qu_rows) that the host writes q^U_t into after this kernel
+        (qu_row = -1): that ring row's owner may still be read by another program. Its splits share the rows
+        of positions 0..t (split_keys; per_split is ignored), so a cache far from full keeps every split at
+        work. A split past the last row (a step early in the cache, or a rank that holds no row yet) writes
+        an empty state (m = -inf, l = 0)."""
         bh = tl.program_id(0)
         split = tl.program_id(1)
         offs_d = tl.arange(0, BLOCK_D)
@@ -422,21 +426,27 @@ if triton is not None:
         if STATIC:
             t = tl.load(POS).to(tl.int32)
             n_owners = tl.minimum(t, n_owners)
-            per_split = split_keys(t + 1, tl.num_programs(1), BT)
+        # rows held here of positions before t, and of the owners; the row of t if held here, else -1
+        before = (t - rank + world - 1) // world
+        first_owner = (t - n_owners - rank + world - 1) // world
+        new_row = tl.where(t % world == rank, before, -1)
+        rows = tl.maximum(before, new_row + 1)
+        if STATIC:
+            per_split = split_keys(rows, tl.num_programs(1), BT)
 
         start = split * per_split
-        end = tl.minimum(start + per_split, t + 1)
+        end = tl.minimum(start + per_split, rows)
         m = tl.full([1], float("-inf"), dtype=tl.float32)
         l = tl.zeros([1], dtype=tl.float32)
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         j0 = start
         while j0 < end:
             j = j0 + tl.arange(0, BT)
-            cached = (j < t)[:, None] & dmask[None, :]
+            cached = (j < before)[:, None] & dmask[None, :]
             ptr = c_base + j[:, None] * HEAD_DIM + offs_d[None, :]
             u = tl.load(U + ptr, mask=cached, other=0.0)
-            if (j0 + BT > t - n_owners) & (j0 < t):
-                owner = ((j >= t - n_owners) & (j < t))[:, None] & dmask[None, :]
+            if (j0 + BT > first_owner) & (j0 < before):
+                owner = ((j >= first_owner) & (j < before))[:, None] & dmask[None, :]
                 if STATIC:
                     qu_at = j % tl.maximum(qu_rows, 1)
                 else:
@@ -446,7 +456,7 @@ if triton is not None:
                 w = tl.sigmoid(tl.sum(qu * ku_t[None, :], 1))                             # eq (13)
                 u = tl.where(owner, u + w[:, None] * vu_t[None, :], u)
                 tl.store(U + ptr, u, mask=owner)
-            new = (j == t)[:, None]
+            new = (j == new_row)[:, None]
             if CAUSAL_KEYS:
                 kc = tl.where(new, kc_t[None, :], tl.load(KCB + ptr, mask=cached, other=0.0).to(tl.float32))
             vc = tl.where(new, vc_t[None, :], tl.load(VCB + ptr, mask=cached, other=0.0).to(tl.float32))
@@ -467,8 +477,8 @@ if triton is not None:
             acc = acc * alpha + tl.sum(p[:, None] * vc, 0)
             m = m_new
             j0 += BT
-        if (start <= t) & (t < end):                     # the new position's own rows (eq (13))
-            row = c_base + t * HEAD_DIM + offs_d
+        if (start <= new_row) & (new_row < end):         # the new position's own rows (eq (13))
+            row = c_base + new_row * HEAD_DIM + offs_d
             tl.store(U + row, tl.zeros([BLOCK_D], dtype=tl.float32), mask=dmask)
             if CAUSAL_KEYS:
                 tl.store(KCB + row, kc_t.to(KCB.dtype.element_ty), mask=dmask)
@@ -488,9 +498,11 @@ if triton is not None:
                        mask=dmask, other=0.0)
 
     @triton.jit
-    def _castle_decode_combine_kernel(PART, OUT, splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                                      BLOCK_S: tl.constexpr):
-        """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of head program_id(0)."""
+    def _castle_decode_combine_kernel(PART, OUT, LSE, splits, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                                      BLOCK_S: tl.constexpr, WITH_LSE: tl.constexpr):
+        """out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s over the splits of head program_id(0); WITH_LSE
+        (a rank's partial state for tree attention's merge) also its natural-log log-sum-exp, NEG (and out 0)
+        where every split is empty."""
         bh = tl.program_id(0)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
@@ -499,42 +511,47 @@ if triton is not None:
         m = tl.load(part + BLOCK_D, mask=smask, other=float("-inf"))
         l = tl.load(part + BLOCK_D + 1, mask=smask, other=0.0)
         acc = tl.load(part[:, None] + offs_d[None, :], mask=smask[:, None], other=0.0)
-        w = tl.exp2(m - tl.max(m, 0))
-        out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * l, 0)
+        m_max = tl.max(m, 0)
+        m_max = tl.where(m_max == float("-inf"), 0.0, m_max)     # no row at all: every weight 0, not NaN
+        w = tl.exp2(m - m_max)
+        den = tl.sum(w * l, 0)
+        out = tl.sum(w[:, None] * acc, 0) / tl.where(den > 0, den, 1.0)
         tl.store(OUT + bh.to(tl.int64) * HEAD_DIM + offs_d, out.to(OUT.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        if WITH_LSE:
+            lse = tl.where(den > 0, (m_max + tl.log2(tl.where(den > 0, den, 1.0))) / LOG2E, _NEG)
+            tl.store(LSE + bh, lse)
 
 
 _DECODE_PROGRAMS_PER_SM = 4
 
 
-def _decode_tiles(positions, heads, block_d, device):
-    """(rows per tile, positions per split, splits) of a decode step: enough programs to fill the GPU,
+def _decode_tiles(rows, heads, block_d, device):
+    """(rows per tile, rows per split, splits) of a decode step over `rows` cached rows (at least one split of
+    one tile, also for a rank that holds none yet): enough programs to fill the GPU,
     each a whole number of row tiles of 4096 elements, 2 warps each: of the tiles a sweep over 16-128 rows
     and 2-8 warps timed (CASTLE and SWL, D = 64 and 128, long contexts), the one never far from the fastest,
     where others took up to twice as long at some shapes. Under the interpreter 16-row tiles and 4 "SMs", so
     that tiny tests cross tiles and splits."""
     if interpreting():
-        rows, sms = 16, 4
+        tile, sms = 16, 4
     else:
-        rows, sms = 4096 // block_d, torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(positions, rows), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
-    return (rows, *deal_keys(positions, splits, rows))
+        tile, sms = 4096 // block_d, torch.cuda.get_device_properties(device).multi_processor_count
+    rows = max(rows, 1)
+    splits = max(1, min(triton.cdiv(rows, tile), triton.cdiv(_DECODE_PROGRAMS_PER_SM * sms, heads)))
+    return (tile, *deal_keys(rows, splits, tile))
 
 
 def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
-    """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax) and
-    the combine. A dynamic cache's bookkeeping stays on the host; a static cache's position is read on the
-    device, and the launch (its splits sized for the capacity, sharing the positions so far) is the same at every
-    position."""
+    """castle_decode in two launches: the step kernel (U update, the position's rows, split softmax over the
+    rows held here) and the combine; a sharded cache then merges the ranks' partial states (tree_merge). A
+    dynamic cache's bookkeeping stays on the host; a static cache's position is read on the device, and the
+    launch (its splits sized for the capacity, sharing the rows so far) is the same at every position."""
     require_triton("castle_decode(impl='triton')", "use impl='torch'")
-    if cache.world > 1:
-        raise ValueError("castle_decode(impl='triton') takes a cache without a process group; a sharded cache "
-                         "decodes with impl='torch' (or 'auto')")
     if qc.dtype == torch.float64:
         raise ValueError("castle_decode(impl='triton') computes in fp32; for fp64 inputs use impl='torch'")
     static = cache.position is not None
     if not static:
-        cache.reserve(cache.length + 1)
+        cache.reserve(cache.rows_before(cache.length + 1))
     if not all(b is None or b.is_contiguous() for b in (cache.u_buf, cache.qu_buf, cache.kc_buf, cache.vc_buf)):
         raise ValueError("castle_decode(impl='triton') needs contiguous cache buffers (castle_prefill and "
                          "CastleCache make them); use impl='torch' for others")
@@ -543,26 +560,32 @@ def _decode_triton(cache, qc, kc, vc, qu, ku, vu):
     xs = [x if x.stride(-1) == 1 else x.contiguous() for x in (qc, kc, vc, qu, ku, vu)]
     B, H, _, D = qc.shape
     block_d = padded_head_dim(D)
-    if static:   # the kernel reads t and takes min(t, n) owners, at Q^U ring rows j mod its rows
-        t, n, shift, slot = 0, cache.owners(cache.capacity), 0, None
-        positions = cache.capacity
+    if static:   # the kernel reads t and takes min(t, n) owners (n: every position a cache holds, or W), at Q^U ring
+        t, n, shift, slot = 0, cache.owners(cache.capacity * cache.world), 0, None    # rows j mod its rows
+        rows = cache.capacity
     else:
-        t, n, shift, slot = cache.length, cache.owners(cache.length), cache.length - cache.qu_end, cache.qu_slot()
-        positions = t + 1
-    rows, per_split, splits = _decode_tiles(positions, B * H, block_d, qc.device)
+        t, n, shift = cache.length, cache.owners(cache.length), cache.n_local - cache.qu_end
+        slot = cache.qu_slot() if cache.owns(t) else None
+        rows = cache.rows_before(t + 1)
+    tile, per_split, splits = _decode_tiles(rows, B * H, block_d, qc.device)
     part = torch.empty(B * H, splits, block_d + 2, dtype=torch.float32, device=qc.device)
     _castle_decode_kernel[(B * H, splits)](
         cache.u_buf, cache.qu_buf, kc_buf, cache.vc_buf, part, *[a for x in xs for a in (x, *x.stride()[:2])],
         H, cache.capacity, cache.qu_buf.shape[-2], t, n, shift, -1 if slot is None else slot, per_split,
-        cache.position if static else part, cache.scale, HEAD_DIM=D, BLOCK_D=block_d, BT=rows,
-        CAUSAL_KEYS=cache.causal_keys, SILU=cache.silu, STATIC=static, num_warps=2,
+        cache.position if static else part, cache.world, cache.rank, cache.scale, HEAD_DIM=D, BLOCK_D=block_d,
+        BT=tile, CAUSAL_KEYS=cache.causal_keys, SILU=cache.silu, STATIC=static, num_warps=2,
     )
     if static:
         cache.store_qu_static(qu)
     else:
-        cache.push_qu(qu, written=slot is not None)
+        if cache.owns(t):
+            cache.push_qu(qu, written=slot is not None)
         cache.length = t + 1
-    out = torch.empty(B, H, 1, D, dtype=qc.dtype, device=qc.device)
-    _castle_decode_combine_kernel[(B * H,)](part, out, splits, HEAD_DIM=D, BLOCK_D=block_d,
-                                            BLOCK_S=triton.next_power_of_2(splits))
+    sharded = cache.world > 1
+    out = torch.empty(B, H, 1, D, dtype=torch.float32 if sharded else qc.dtype, device=qc.device)
+    lse = torch.empty(B, H, 1, dtype=torch.float32, device=qc.device) if sharded else out
+    _castle_decode_combine_kernel[(B * H,)](part, out, lse, splits, HEAD_DIM=D, BLOCK_D=block_d,
+                                            BLOCK_S=triton.next_power_of_2(splits), WITH_LSE=sharded)
+    if sharded:
+        out = tree_merge(out, lse, cache.group)[0].to(qc.dtype)
     return out
