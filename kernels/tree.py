@@ -41,7 +41,8 @@ position is computed from that position's own cached data and the replicated que
   baseline   bias_local=None, or mask_bias(q_pos, k_pos) for padded slots, the causal mask inside
              a multi-token chunk, or a sliding window (positions are global).
   FoX        bias_local=fox_bias(c_local), i.e. -c_j with c the *global* cumulative log forget
-             gate stored with each cached key. The query's own c_i is common to every key and
+             gate stored with each cached key; or gate_local=(c_local, c_ref), -(c_j - c_ref) computed by
+             the kernel as it reads the keys (what the caches pass). The query's own c_i is common to every key and
              cancels in the softmax (the returned lse then lacks +c_i). model/gpt.py computes c on
              the replicated token stream; sharded_cumsum builds it when each rank only holds its
              own gates. Rebase c by subtracting the same constant on all ranks.
@@ -94,13 +95,16 @@ def _peer(group, group_rank):
 
 # ----------------------------------------------------------------------------- local attention
 
-def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None):
+def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None, gate=None):
     """Local step: softmax(scale * q k^T + bias) v over the given keys, and its log-sum-exp.
 
     Returns (out (B, Hq, n, D), lse (B, Hq, n)) in fp32 (fp64 for fp64 inputs).
     impl: "torch" (reference), "triton" (split-KV flash-decoding kernel), "auto" (Triton on CUDA).
     length: None, or a (1,) integer tensor on the keys' device: only the first `length` keys count (a static
     decode step's filled rows, read on the device); the kernel skips the tiles past it, torch masks them.
+    gate: FoX's per-key logits as (c (B, Hq, t), c_ref (B, Hq, 1)), float64 cumulative log forget gates of the
+    keys and a reference: adds -(c_j - c_ref), the difference taken in float64 and rounded to the statistics'
+    dtype (fp32: fox_bias(c - c_ref)); the kernel computes it from c as it reads the keys.
     """
     B, Hq, n, D = q.shape
     Hkv, t = k.shape[1], k.shape[2]
@@ -112,7 +116,10 @@ def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None):
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton is not None and stat == torch.float32 else "torch"
     if impl == "triton":
-        return attn_partial_triton(q, k, v, scale, bias, length=length)
+        return attn_partial_triton(q, k, v, scale, bias, length=length, gate=gate)
+    if gate is not None:
+        fox = -(gate[0] - gate[1]).to(stat).unsqueeze(-2)
+        bias = fox if bias is None else bias + fox
     if length is not None:
         past = torch.arange(t, device=k.device) >= length
         bias = torch.where(past, float("-inf"), 0.0 if bias is None else bias)
@@ -177,13 +184,14 @@ def tree_merge(out, lse, group=None, *, combine="gather"):
 
 
 def tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
-                combine="gather", impl="auto", return_lse=False, length=None):
+                combine="gather", impl="auto", return_lse=False, length=None, gate_local=None):
     """Exact attention of the replicated query q over the union of every rank's (k_local, v_local).
 
-    See the module docstring for shapes, bias_local and the combine options; length: attn_partial's (a static
-    step's filled local rows).
+    See the module docstring for shapes, bias_local and the combine options; length and gate_local: attn_partial's
+    length (a static step's filled local rows) and gate (FoX's gates of the local keys).
     """
-    out, lse = attn_partial(q, k_local, v_local, scale=scale, bias=bias_local, impl=impl, length=length)
+    out, lse = attn_partial(q, k_local, v_local, scale=scale, bias=bias_local, impl=impl, length=length,
+                            gate=gate_local)
     out, lse = tree_merge(out, lse, group, combine=combine)
     out = out.to(q.dtype)
     return (out, lse) if return_lse else out
@@ -324,15 +332,15 @@ class RoundRobinRows:
         """Global positions of the local rows first_row .. n_local - 1."""
         return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.device)
 
-    def merged_attention(self, q, k, v, *, scale=None, bias=None, length=None):
+    def merged_attention(self, q, k, v, *, scale=None, bias=None, length=None, gate=None):
         """Attention of the replicated queries over the rows k, v held here merged with every other rank's
         (tree_decode over the cache's group); an unsharded cache attends to its own rows with no collective,
         also in a process that belongs to a process group (rank 0 sampling alone after multi-GPU training).
-        length: a static step's filled rows here (attn_partial)."""
+        length, gate: a static step's filled rows here and FoX's gates of the rows (attn_partial)."""
         if self.group is None:
-            out, _ = attn_partial(q, k, v, scale=scale, bias=bias, length=length)
+            out, _ = attn_partial(q, k, v, scale=scale, bias=bias, length=length, gate=gate)
             return out.to(q.dtype)
-        return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias, length=length)
+        return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias, length=length, gate_local=gate)
 
 
 # ----------------------------------------------------------------------------- variant logits
@@ -381,15 +389,17 @@ if triton is not None:
     # scale is constexpr: torch.compile (Inductor) would pass a Python float as an fp64 scalar,
     # promoting the logits and the loop-carried softmax state to fp64, which Triton refuses.
     @triton.jit
-    def _decode_kernel(Q, K, V, Bias, Out, LSE,
+    def _decode_kernel(Q, K, V, Bias, C, CRef, Out, LSE,
                        sqb, sqh, sqn, skb, skh, skl, svb, svh, svl,
-                       sbb, sbh, sbn, sbl, sob, soh, son, sos, slb, slh, sln, sls,
+                       sbb, sbh, sbn, sbl, scb, sch, scl, srb, srh, sob, soh, son, sos, slb, slh, sln, sls,
                        Hkv, n, rows_per_kv, L, Len, scale: tl.constexpr,
                        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LEN: tl.constexpr,
-                       PREC: tl.constexpr):
+                       BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_GATE: tl.constexpr,
+                       HAS_LEN: tl.constexpr, PREC: tl.constexpr):
         # one program: one split of the keys x one KV head x a block of its query rows;
-        # a row is (query head of the group, query token), so K/V tiles are read once per group
+        # a row is (query head of the group, query token), so K/V tiles are read once per group.
+        # HAS_GATE: FoX's logits -(c_j - c_ref) of the row's head, the difference taken in fp64 and then
+        # rounded to fp32, as fox_bias(c - c_ref) is (attn_partial's gate)
         split, bh, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, hk = (bh // Hkv).to(tl.int64), (bh % Hkv).to(tl.int64)  # caches exceed 2**31 elements
         rows = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -400,6 +410,8 @@ if triton is not None:
         d_ok = d < D
         q = tl.load(Q + b * sqb + h[:, None] * sqh + i[:, None] * sqn + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        if HAS_GATE:
+            c_ref = tl.load(CRef + b * srb + h * srh, mask=row_ok, other=0.0)
         keys = L
         if HAS_LEN:  # a static step's filled rows, read on the device: the splits share them, not the buffer
             keys = tl.minimum(tl.load(Len).to(tl.int32), L)
@@ -419,6 +431,10 @@ if triton is not None:
             if HAS_BIAS:
                 s += tl.load(Bias + b * sbb + h[:, None] * sbh + i[:, None] * sbn + j[None, :] * sbl,
                              mask=row_ok[:, None] & j_ok[None, :], other=0.0)
+            if HAS_GATE:
+                c = tl.load(C + b * scb + h[:, None] * sch + j[None, :] * scl, mask=row_ok[:, None] & j_ok[None, :],
+                            other=0.0)
+                s -= (c - c_ref[:, None]).to(tl.float32)
             s = tl.where(j_ok[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp(m_i - m_new)
@@ -439,17 +455,19 @@ def _num_sms(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
-def attn_partial_triton(q, k, v, scale, bias, length=None, **launch):
+def attn_partial_triton(q, k, v, scale, bias, length=None, gate=None, **launch):
     """attn_partial's Triton path; `launch`: split_states' knobs (tests and scripts/bench_tree.py --sweep)."""
-    o, lse = split_states(q, k, v, scale, bias, length=length, **launch)
+    o, lse = split_states(q, k, v, scale, bias, length=length, gate=gate, **launch)
     if o.shape[3] == 1:
         return o.squeeze(3), lse.squeeze(3)
     return merge_states(o.movedim(3, 0), lse.movedim(3, 0))
 
 
-def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4, num_stages=None, length=None):
+def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=4, num_stages=None, length=None,
+                 gate=None):
     """The split-KV kernel's partial states before their merge: out (B, Hq, n, S, D), lse (B, Hq, n, S), fp32,
-    split s over keys s * m .. (s + 1) * m - 1 of the filled ones (split_keys: m whole tiles' worth)."""
+    split s over keys s * m .. (s + 1) * m - 1 of the filled ones (split_keys: m whole tiles' worth); bias, length
+    and gate as attn_partial takes them."""
     B, Hq, n, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     assert q.dtype in (torch.float16, torch.bfloat16, torch.float32), q.dtype
@@ -461,7 +479,8 @@ def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=
     BLOCK_N = block_n or (64 if BLOCK_D <= 128 else 32)
     # 16-bit heads of 128 without a bias keep 4 tiles of K and V in flight (128 KiB of shared memory): 16% faster
     # over a 1M-key cache than 3; with FoX's bias 4% slower, so 3 there and elsewhere (docs/results.md)
-    num_stages = num_stages or (4 if BLOCK_D == 128 and k.element_size() == 2 and bias is None else 3)
+    num_stages = num_stages or (4 if BLOCK_D == 128 and k.element_size() == 2 and bias is None and gate is None
+                                else 3)
     m_blocks = triton.cdiv(rows, BLOCK_M)
     if num_splits is None:  # flash-decoding: enough programs to fill the GPU a few times over
         num_splits = triton.cdiv(4 * _num_sms(q.device), B * Hkv * m_blocks)
@@ -471,12 +490,13 @@ def split_states(q, k, v, scale, bias, num_splits=None, block_n=None, num_warps=
     if bias is not None:
         bias = bias.float().expand(B, Hq, n, L)  # broadcast dims keep stride 0
     bstrides = bias.stride() if bias is not None else (0, 0, 0, 0)
+    c, c_ref = gate if gate is not None else (q, q)
     _decode_kernel[(num_splits, B * Hkv, m_blocks)](
-        q, k, v, bias if bias is not None else q, o, lse,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bstrides,
+        q, k, v, bias if bias is not None else q, c, c_ref, o, lse,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *bstrides, *c.stride()[:3], *c_ref.stride()[:2],
         *o.stride()[:4], *lse.stride(),
         Hkv, n, rows, L, length if length is not None else q, scale,
-        D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BIAS=bias is not None, HAS_LEN=length is not None,
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        D=D, BLOCK_D=BLOCK_D, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, HAS_BIAS=bias is not None, HAS_GATE=gate is not None,
+        HAS_LEN=length is not None, PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
         num_stages=num_stages)
     return o, lse

@@ -11,7 +11,7 @@ CASTLE's layers (kernels.castle.CastleCache) and the recurrent ones (model.recur
 import torch
 
 from kernels.forgetting import fgate_cumsum
-from kernels.tree import RoundRobinRows, fox_bias, mask_bias
+from kernels.tree import RoundRobinRows, mask_bias
 
 
 class KVCache(RoundRobinRows):
@@ -162,19 +162,17 @@ class WindowCache(RoundRobinRows):
             c_keys = torch.cat([self.c, c[:, :, chunk]], 2) if c is not None else None
             k_pos = torch.cat([self.pos, new_pos])
             self.store(k, v, c)
-        bias = mask_bias(q_pos, k_pos, window=self.window)
-        if c_keys is not None:   # -c_j relative to the newest c, as in attend_rows
-            bias = bias + fox_bias(c_keys - self.c_last)
-        return self.merged_attention(q, keys, values, bias=bias)
+        gate = (c_keys, self.c_last) if c_keys is not None else None   # relative to the newest c, as in attend_rows
+        return self.merged_attention(q, keys, values, bias=mask_bias(q_pos, k_pos, window=self.window), gate=gate)
 
 
 def attend_rows(q, k, v, c, cache):
-    """The T new queries over the rows k, v (FoX: their c) of a cache, masks and FoX's gates as one
-    additive bias, by tree attention's split-KV step (kernels/tree.py). A sharded cache: this rank's
+    """The T new queries over the rows k, v (FoX: their c) of a cache, masks as an additive bias and FoX's
+    gates as attn_partial's gate (the kernel computes their logits), by tree attention's split-KV step (kernels/tree.py). A sharded cache: this rank's
     rows, merged exactly with every other rank's. A static step: the whole buffer, with the count of
     filled rows read on the device (attn_partial's length; static_filled), so its shapes never change. Positions are
     global; a single new token sees every cached position, a prefill chunk is causal inside itself
-    (mask_bias). FoX's bias is -c_j taken relative to the stream's newest c, a shift common to all keys
+    (mask_bias). FoX's logits are -c_j taken relative to the stream's newest c, a shift common to all keys
     that keeps recent keys exact."""
     T = q.size(2)
     bias, length = None, None
@@ -183,10 +181,8 @@ def attend_rows(q, k, v, c, cache):
     elif T > 1:
         q_pos = torch.arange(cache.length - T, cache.length, device=q.device)
         bias = mask_bias(q_pos, cache.key_positions())
-    if c is not None:
-        fox = fox_bias(c - cache.c_last)
-        bias = fox if bias is None else bias + fox
-    return cache.merged_attention(q, k, v, bias=bias, length=length)
+    gate = (c, cache.c_last) if c is not None else None
+    return cache.merged_attention(q, k, v, bias=bias, length=length, gate=gate)
 
 
 class InferenceCache:

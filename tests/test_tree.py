@@ -489,6 +489,24 @@ def test_length_counts_only_the_filled_rows(impl, length, splits, bias):
     assert (lse.double().cpu() - want_l).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("n,mask,length", [(1, False, None), (3, True, None), (1, False, 77)])
+def test_gate_is_the_fox_bias_computed_in_the_kernel(impl, n, mask, length):
+    """attn_partial(gate=(c, c_ref)) equals attn_partial(bias=fox_bias(c - c_ref)) to the bit: the kernel takes the
+    fp64 difference and rounds it as fox_bias does. Alone and on top of a causal mask over 3 queries, per query head
+    (GQA), with c far from 0 (so its fp64 part matters), and over a static step's filled rows."""
+    B, Hq, Hkv, D, L = 2, 4, 2, 16, 150
+    q, k, v = (torch.randn(*s, device=DEVICE) for s in ((B, Hq, n, D), (B, Hkv, L, D), (B, Hkv, L, D)))
+    c = (3e5 + F.logsigmoid(torch.randn(B, Hq, L, dtype=torch.float64) + 2).cumsum(-1)).to(DEVICE)
+    c_ref = c[..., -1:]
+    causal = mask_bias(torch.arange(L - n, L), torch.arange(L)).to(DEVICE) if mask else None
+    fox = fox_bias(c - c_ref)
+    count = torch.tensor([length], device=DEVICE) if length else None
+    want = attn_partial(q, k, v, bias=fox if causal is None else fox + causal, impl=impl, length=count)
+    got = attn_partial(q, k, v, bias=causal, gate=(c, c_ref), impl=impl, length=count)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 @pytest.mark.parametrize("length,filled_splits", [(150, 3), (64, 1), (None, 3)])
 def test_splits_share_the_filled_rows_not_the_buffer(length, filled_splits):
     """A static step's filled rows are dealt over the splits: 150 rows of a 640-row buffer (10 tiles of 64) over

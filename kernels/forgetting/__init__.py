@@ -13,7 +13,8 @@ Public API
   (sliding window; the kernels visit only the key tiles it touches). `log_fgate=None`: no gate, plain
   causal softmax attention; with a window this is how the model runs the Transformer-SWA (FoX
   arXiv:2503.02130 §F.4), through a kernel variant compiled without the gate's loads and sums.
-- `fgate_cumsum`, `forgetting_decode`: cached decoding (the cache holds K, V and c).
+- `fgate_cumsum`, `forgetting_decode`: cached decoding (the cache holds K, V and c), through tree
+  attention's split-KV step (kernels/tree.py), whose Triton kernel computes the gate's logits from c.
 
 Modules: reference.py (the torch reference, fgate_cumsum), triton.py (the kernels, their launch and
 the gate's cumsum), op.py (forgetting_attn and the autograd function), decode.py (forgetting_decode).
@@ -31,7 +32,8 @@ bounded independently of L and of |c| (about 1e-4 for |log f| <= 10 and 128-toke
 with a large |c_i - c_j| get an error relative to it, but their weight is ~exp(-|c_i - c_j|) anyway).
 The op is thus invariant to adding a constant to c (i.e. to changing log f_1), which the tests
 check with an offset of 3e5. The reverse cumsum of the gate gradient is done in fp64 too.
-The torch reference and the decode path take c_i - c_j in fp64 directly.
+The torch reference takes c_i - c_j in fp64 directly; the decode path takes c_j - c_ref in fp64, c_ref the
+newest position's c, and rounds it to the statistics' dtype (fp32 in the kernel).
 """
 from kernels.forgetting.decode import forgetting_decode
 from kernels.forgetting.op import forgetting_attn
