@@ -118,7 +118,7 @@ def attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None, ga
     if impl == "triton":
         return attn_partial_triton(q, k, v, scale, bias, length=length, gate=gate)
     if gate is not None:
-        fox = -(gate[0] - gate[1]).to(stat).unsqueeze(-2)
+        fox = fox_bias(gate[0] - gate[1], stat)
         bias = fox if bias is None else bias + fox
     if length is not None:
         past = torch.arange(t, device=k.device) >= length
@@ -359,11 +359,11 @@ def mask_bias(q_pos, k_pos, *, window=None):
     return bias.unsqueeze(-3) if bias.dim() == 3 else bias[None, None]
 
 
-def fox_bias(c_local):
-    """FoX logits  s q_i.k_j + c_i - c_j : the per-key part -c_j, (B, H, t) -> (B, H, 1, t) fp32.
+def fox_bias(c_local, dtype=torch.float32):
+    """FoX logits  s q_i.k_j + c_i - c_j : the per-key part -c_j, (B, H, t) -> (B, H, 1, t) in dtype.
 
     c_local holds the global cumulative log forget gates of the local keys (any common offset)."""
-    return -c_local.float().unsqueeze(-2)
+    return -c_local.to(dtype).unsqueeze(-2)
 
 
 def sharded_cumsum(x_local, group=None):
