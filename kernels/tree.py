@@ -16,14 +16,15 @@ reads KV head h // (Hq // Hkv)); n query tokens per step (1 for plain decode); t
 t = 0 allowed. Logits are  scale * q.k_j + bias[..., j]  with scale = D ** -0.5 by default.
 
   tree_decode(q, k_local, v_local, *, group=None, scale=None, bias_local=None,
-              combine="gather", impl="auto", return_lse=False)
+              combine="gather", impl="auto", return_lse=False, length=None, gate_local=None)
       -> out (B, Hq, n, D) in q.dtype [, lse (B, Hq, n) fp32]: attention over the union of all
          ranks' slices, bitwise identical on every rank. group=None is the default process group once
          torch.distributed is initialised (one process otherwise); a group of one rank gives exactly
          the local result and no collective. Caches call RoundRobinRows.merged_attention, which never
          communicates without a group of their own.
-  attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None) -> (out, lse), fp32:
-      the local step, over the given keys only. Empty or fully masked rows: out 0, lse NEG.
+  attn_partial(q, k, v, *, scale=None, bias=None, impl="auto", length=None, gate=None) -> (out, lse),
+      fp32: the local step, over the given keys only (length: a static step's filled rows; gate: FoX's
+      cumulative log gates of the keys). Empty or fully masked rows: out 0, lse NEG.
   tree_merge(out, lse, group=None, *, combine="gather") -> (out, lse) merged over the group.
       combine="paper":  all-reduce MAX of lse, then SUM of numerators and SUM of denominators;
       combine="packed": all-reduce MAX, then one SUM of [numerator | denominator];
