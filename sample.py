@@ -56,8 +56,8 @@ def check_sample_options(cfg):
             raise ValueError(f"{asked} needs a CUDA device, not device=cpu: pass cuda_graph=auto or false")
 
 
-def graph_mode(cfg, device, model, group):
-    """cuda_graph as GPT.generate_stream takes it for `model`; any value but auto as given. auto: none on the CPU;
+def graph_mode(cfg, device, config, group):
+    """cuda_graph as GPT.generate_stream takes it for a model of GPTConfig `config`; any value but auto as given. auto: none on the CPU;
     sharded (a process group), a graph of the sharded step (True); on one CUDA device the single-launch step
     ("fused", 4x a graph of the step at batch 1) where it applies (LLaMA blocks) on Hopper or newer, the GPUs it
     is tested and timed on; else True."""
@@ -68,7 +68,7 @@ def graph_mode(cfg, device, model, group):
     if group is not None:
         return True
     hopper = torch.cuda.get_device_capability(device) >= (9, 0)
-    return "fused" if hopper and fused_step_unsupported(model.config) is None else True
+    return "fused" if hopper and fused_step_unsupported(config) is None else True
 
 
 def init_sharding(cfg):
@@ -98,7 +98,7 @@ def main(cfg):
         stream_text(model, tok, prompt_ids, device, max_new_tokens=cfg.max_new_tokens,
                     temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, stop_at_eot=cfg.stop_at_eot,
                     group=group, prefill_chunk=cfg.prefill_chunk if group is not None else None,
-                    cuda_graph=graph_mode(cfg, device, model, group), show=ranks.master)
+                    cuda_graph=graph_mode(cfg, device, model.config, group), show=ranks.master)
     ranks.close()
 
 

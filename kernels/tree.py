@@ -292,14 +292,10 @@ class RoundRobinRows:
         (Unsharded, the position itself: no kernel for the division in every layer's step.)"""
         return self.position if self.world == 1 else self.position // self.world
 
-    def rows_before_position(self):
-        """Local rows of the positions before a static step's position (device tensor; rows_before(position))."""
-        return self.position if self.world == 1 else (self.position - self.rank + self.world - 1) // self.world
-
     def static_filled(self):
         """Local rows a static step attends over (device tensor): positions 0 .. position held here, its own
         included where this rank holds it; 0 on a rank that holds none yet."""
-        return self.position + 1 if self.world == 1 else (self.position - self.rank + self.world) // self.world
+        return self.rows_before(self.position + 1)
 
     def write_static(self, buf, row, x, dim=2):
         """buf's `row` along dim <- x on the rank that holds the static step's position; the others keep the
@@ -317,8 +313,9 @@ class RoundRobinRows:
         return pos % self.world == self.rank
 
     def rows_before(self, pos):
-        """How many local rows hold positions < pos (= the local row of the first position >= pos)."""
-        return max(0, (pos - self.rank + self.world - 1) // self.world)
+        """How many local rows hold positions < pos (= the local row of the first position >= pos); pos >= 0, an
+        int or a device tensor (a static step's; unsharded it comes back as is, no kernel in every layer's step)."""
+        return pos if self.world == 1 else (pos - self.rank + self.world - 1) // self.world
 
     @property
     def n_local(self):

@@ -367,7 +367,7 @@ def test_sample_cuda_graph_defaults_to_the_fastest_step_on_one_gpu(overrides, de
     model = GPT(tiny(**{"n_head": 2, **blocks}))
     cfg = compose_config("sample", ["ckpt=x", *overrides])
     sample.check_sample_options(cfg)
-    got = sample.graph_mode(cfg, torch.device(device), model, None)
+    got = sample.graph_mode(cfg, torch.device(device), model.config, None)
     assert got == mode and type(got) is type(mode)
 
 

@@ -83,7 +83,7 @@ def check_static_steps(model, prompt, want_tok, want_logits, group, chunk, tol, 
     and equal single-process decoding; the compiled and fused steps are refused with a group."""
     import sample   # hydra and the entry point: only where this check runs
     fails = []
-    if sample.graph_mode(SimpleNamespace(cuda_graph="auto"), torch.device("cuda"), model, group) is not True:
+    if sample.graph_mode(SimpleNamespace(cuda_graph="auto"), torch.device("cuda"), model.config, group) is not True:
         fails.append("sample.py's cuda_graph=auto is not True sharded")
     try:
         model.generate(prompt, 2, temperature=0, group=group, cuda_graph="compiled")

@@ -209,7 +209,7 @@ class CastleCache(RoundRobinRows):
         w, vu = self._lookahead_weights(self.qu_buf, ku), vu.to(self.u_buf.dtype)      # (B, H, R, 1)
         rows = torch.arange(R, device=self.device)
         if R < self.capacity:
-            last = self.rows_before_position() - 1
+            last = self.rows_before(self.position) - 1
             rows = last - (last - rows) % R
         if self.world > 1 and self.window is not None:
             reached = self.rank + self.world * rows >= self.position - self.window
