@@ -50,8 +50,8 @@ position is computed from that position's own cached data and the replicated que
   CASTLE     every rank first adds the new token's term to the lookahead keys of its own rows, the
              owner appends (u=0, q^U, k^C, v^C), then bias_local = -SiLU(scale * qc.u_j), with q, k, v
              the causal qc, kc, vc (kernels.castle.CastleCache with a group does all of it). Holds for
-             CASTLE-SWL (window on global positions); n = 1 only, since each query of a chunk would see
-             a different U.
+             CASTLE-SWL (window on global positions). In a chunk of n queries each sees a different U,
+             so the bias carries each query's own lookahead terms (castle_prefill onto a cache).
 Whatever acts on a head's output (FoX-Pro output norm and gate, W_O) goes after the merge.
 
 Model code, one decode step of a layer on every rank of the sequence-parallel group `sp`:
@@ -330,15 +330,18 @@ class RoundRobinRows:
         """Global positions of the local rows first_row .. n_local - 1."""
         return self.rank + self.world * torch.arange(first_row, self.n_local, device=self.device)
 
-    def merged_attention(self, q, k, v, *, scale=None, bias=None, length=None, gate=None):
-        """Attention of the replicated queries over the rows k, v held here merged with every other rank's
-        (tree_decode over the cache's group); an unsharded cache attends to its own rows with no collective,
-        also in a process that belongs to a process group (rank 0 sampling alone after multi-GPU training).
-        length, gate: a static step's filled rows here and FoX's gates of the rows (attn_partial)."""
-        if self.group is None:
-            out, _ = attn_partial(q, k, v, scale=scale, bias=bias, length=length, gate=gate)
-            return out.to(q.dtype)
-        return tree_decode(q, k, v, group=self.group, scale=scale, bias_local=bias, length=length, gate_local=gate)
+    def merged_state(self, q, k, v, **partial):
+        """The state (out, lse) of the replicated queries' attention over the rows k, v held here merged with
+        every other rank's (attn_partial, then tree_merge over the cache's group), in the statistics' dtype; an
+        unsharded cache attends to its own rows with no collective, also in a process that belongs to a process
+        group (rank 0 sampling alone after multi-GPU training). partial: attn_partial's scale, bias, and length
+        and gate (a static step's filled rows here, FoX's gates of the rows)."""
+        out, lse = attn_partial(q, k, v, **partial)
+        return (out, lse) if self.group is None else tree_merge(out, lse, self.group)
+
+    def merged_attention(self, q, k, v, **partial):
+        """merged_state's output in the queries' dtype."""
+        return self.merged_state(q, k, v, **partial)[0].to(q.dtype)
 
 
 # ----------------------------------------------------------------------------- variant logits

@@ -606,12 +606,10 @@ class CastleAttention(nn.Module):
             vu = apply_rope(vu, rope)
         if cache is None:
             y = castle_attn(qc, kc, vc, qu, ku, vu, window=self.window, silu=self.silu)
-        elif cache.length == 0 and cache.group is None and cache.position is None:
-            y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)    # a prompt: one pass (not sharded)
-        else:       # one position at a time through the UQ-KV cache (a static step: its one position)
-            xs = (qc, kc, vc, qu, ku, vu)
-            y = torch.cat([castle_decode(cache, *(z if z is None else z[:, :, t:t + 1] for z in xs))[0]
-                           for t in range(x.size(1))], dim=2)
+        elif cache.position is None and (cache.length == 0 or x.size(1) > 1):
+            y, _ = castle_prefill(qc, kc, vc, qu, ku, vu, cache=cache)    # a prompt, or a chunk of one
+        else:       # one position through the UQ-KV cache (a static step's, or a token after the prompt)
+            y, _ = castle_decode(cache, qc, kc, vc, qu, ku, vu)
         return self.out(merge_heads(y))
 
     def new_cache(self, batch_size, max_len, device, dtype, group=None):

@@ -22,7 +22,9 @@ greedy argmax and (N > 1) the broadcast of the token from rank 0, as GPT.generat
 cache grows by one position per step. Timing follows scripts/bench_tree.py: warm-up steps, then a
 barrier before each step, CUDA events on GPU (perf_counter on CPU), a step lasts as long as its
 slowest rank, median (p10, p90) over steps. `--graphs` also times the step as
-`GPT.generate(cuda_graph=True)` replays it (a static step captured in a CUDA graph with its collectives). "peak GiB" is
+`GPT.generate(cuda_graph=True)` replays it (a static step captured in a CUDA graph with its collectives).
+`--prefill-chunk C` also times prompt chunks of C tokens fed onto the filled cache, as `sample.py sharded=true`
+prefills (`--prefill-steps` chunks after the warm-up ones; ms/token is per prompt token). "peak GiB" is
 torch.cuda.max_memory_allocated over the decode steps (weights + cache + transients; max over
 ranks; "-" on CPU); "cache GiB" the cache tensors one rank holds.
 """
@@ -71,6 +73,9 @@ def parse(argv=None):
                     help="weights and cache; auto: bf16 on CUDA, fp32 on CPU")
     ap.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     ap.add_argument("--graphs", action="store_true", help="also time the step replayed as a CUDA graph")
+    ap.add_argument("--prefill-chunk", type=int, default=0, metavar="C",
+                    help="also time prompt chunks of C tokens fed onto the filled cache (0: off)")
+    ap.add_argument("--prefill-steps", type=int, default=5, help="timed prompt chunks per --prefill-chunk row")
     ap.add_argument("--check", type=int, default=0, metavar="M",
                     help="first check the cache filling against a real prefill of M tokens (0: off)")
     ap.add_argument("--seed", type=int, default=0)
@@ -221,11 +226,11 @@ def greedy_token(logits, group):
     return nxt
 
 
-def decode_step(model, cache, token, group):
-    """One token through the model with the cache, greedy, as GPT.generate_stream: the next token
-    is written into `token`."""
-    logits, _ = model(token, cache=cache, last_only=True)
-    token.copy_(greedy_token(logits, group)[:, None])
+def decode_step(model, cache, tokens, group):
+    """Tokens (B, n) through the model with the cache, greedy, as GPT.generate_stream: the next token is
+    written into each of `tokens`' n slots (a decode step's one; a prompt chunk's whole)."""
+    logits, _ = model(tokens, cache=cache, last_only=True)
+    tokens.copy_(greedy_token(logits, group)[:, None].expand_as(tokens))
 
 
 def graphed_step(model, cache, token, group):
@@ -319,14 +324,17 @@ def check_tol(dtype, device):
     return 1e-2 if device.type == "cuda" else 1e-4
 
 
-def run_row(model, args, ctx, group, device, dtype, graphs):
-    """Fill a cache of ctx positions and time decode steps: the row (the same on every rank).
-    A cache that does not fit on some rank (out of memory while filling) gives a row with a note
-    instead of numbers."""
+def run_row(model, args, ctx, group, device, dtype, mode):
+    """Fill a cache of ctx positions and time steps of `mode` (eager, graph: decode steps; prefill: prompt chunks
+    of --prefill-chunk tokens): the row (the same on every rank). A cache that does not fit on some rank (out of
+    memory while filling) gives a row with a note instead of numbers."""
     world = dist.get_world_size(group) if group is not None else 1
-    row = dict(ranks=world, ctx=ctx, variant=variant_name(model.config), mode="graph" if graphs else "eager",
-               ms=None)
-    max_len = ctx + args.warmup + args.steps + 16  # eager steps, graph warm-up and capture
+    chunk = args.prefill_chunk if mode == "prefill" else 1
+    steps = args.prefill_steps if mode == "prefill" else args.steps
+    warmup = max(args.warmup if mode != "prefill" else 1, GRAPH_WARMUP if mode == "graph" else 0)
+    row = dict(ranks=world, ctx=ctx, variant=variant_name(model.config),
+               mode=f"prefill {chunk}" if mode == "prefill" else mode, ms=None)
+    max_len = ctx + (warmup + steps) * chunk + 16  # the steps, graph warm-up and capture
     cache = None
     try:
         cache = model.new_cache(args.batch, max_len, device, dtype, group=group)
@@ -337,15 +345,15 @@ def run_row(model, args, ctx, group, device, dtype, graphs):
         cache, short = None, 1.0
     if max_over_ranks([short], group, device)[0] > 0:
         return free(device, row, note="does not fit")
-    token = torch.zeros(args.batch, 1, dtype=torch.long, device=device)
+    token = torch.zeros(args.batch, chunk, dtype=torch.long, device=device)
     step = functools.partial(decode_step, model, cache, token, group)
-    if graphs:
+    if mode == "graph":
         step = graphed_step(model, cache, token, group)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        med, p10, p90 = time_steps(step, args.steps, max(args.warmup, GRAPH_WARMUP if graphs else 0), group, device)
+        med, p10, p90 = (t / chunk for t in time_steps(step, steps, warmup, group, device))
     except torch.OutOfMemoryError:  # safe with one rank; with several the others would hang
         del cache, step
         return free(device, row, note="out of memory in a step")
@@ -418,8 +426,8 @@ def main(argv=None):
                 if not ok:  # the same verdict on every rank: tree results are bitwise replicated
                     raise SystemExit(f"check failed for {name}")
             for ctx in args.ctx:
-                for graphs in ([False, True] if args.graphs else [False]):
-                    r = run_row(model, args, ctx, group, device, dtype, graphs)
+                for mode in ["eager"] + ["graph"] * args.graphs + ["prefill"] * (args.prefill_chunk > 0):
+                    r = run_row(model, args, ctx, group, device, dtype, mode)
                     rows.append(r)
                     if rank == 0:
                         done = f"{r['ms']:.3f} ms/token" if r["ms"] is not None else r["note"]

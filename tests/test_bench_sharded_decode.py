@@ -52,7 +52,7 @@ def test_random_fill_is_position_faithful():
     assert torch.isfinite(logits).all() and layer.length == 38
 
 
-ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| (-|[\d.]+) \| eager \|")
+ROW = re.compile(r"^\| (\d+) \| (\d+) \| ([\w-]+) \| ([\d.]+) \| ([\d.]+) \| (-|[\d.]+) \| (eager|prefill 5) \|")
 
 
 @pytest.mark.distributed
@@ -61,7 +61,8 @@ def test_benchmark_prints_a_row_per_variant(world, tmp_path):
     out = tmp_path / "rows.json"
     proc = run("scripts.bench_sharded_decode",
                TINY + ["--attention", "baseline,fox,castle,castle_swl", "--ctx", "64", "--steps", "2",
-                       "--warmup", "1", "--check", "17", "--window", "5", "--out", str(out)],
+                       "--warmup", "1", "--check", "17", "--window", "5", "--prefill-chunk", "5",
+                       "--prefill-steps", "2", "--out", str(out)],
                torchrun=world if world > 1 else 0)
     lines = proc.stdout.splitlines()
     assert lines[0].startswith(f"command: torchrun --nproc_per_node={world} -m scripts.bench_sharded_decode")
@@ -69,8 +70,9 @@ def test_benchmark_prints_a_row_per_variant(world, tmp_path):
         assert any(line.startswith(f"check {name}:") and line.endswith(" ok") for line in lines), proc.stdout
     rows = [m.groups() for m in map(ROW.match, lines) if m]
     variants = ["baseline", "fox", "castle", "castle_swl"]
-    assert [r[:3] for r in rows] == [(str(world), "64", v) for v in variants], proc.stdout
+    assert [r[:3] + r[6:] for r in rows] == [(str(world), "64", v, mode) for v in variants
+                                             for mode in ("eager", "prefill 5")], proc.stdout
     assert all(float(r[3]) > 0 and float(r[4]) > 0 for r in rows), rows
     assert proc.stdout.count("| ranks | ctx | variant | ms/token | tokens/s | peak GiB |") == 1  # rank 0 only
     saved = json.loads(out.read_text())
-    assert saved["world"] == world and len(saved["rows"]) == 4
+    assert saved["world"] == world and len(saved["rows"]) == 8

@@ -7,6 +7,7 @@ import torch
 from test_castle_kernels import ABLATIONS, _double, ablated, inputs, lookahead_keys, rel, slow
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
+from kernels.castle import decode as castle_decode_module
 
 # every output and gradient buffer starts as NaN (conftest.nan_filled_empty): unwritten entries fail
 pytestmark = pytest.mark.usefixtures("nan_filled_empty")
@@ -108,7 +109,7 @@ def test_prefill_several_blocks(window):
 
 def test_prefill_into_a_given_cache():
     """castle_prefill(cache=...) fills the empty cache a model layer made (its window, scale, capacity) as a
-    cache of its own would be filled; it refuses a non-empty cache and a second window or scale."""
+    cache of its own would be filled; it refuses a second window or scale, and a static cache."""
     xs = inputs(2, 3, 12, 8)
     out, own = castle_prefill(*[x[..., :9, :] for x in xs], window=4, scale=0.3, max_len=12)
     given = CastleCache(2, 3, 8, max_len=12, dtype=torch.float64, device="cpu", window=4, scale=0.3)
@@ -119,10 +120,51 @@ def test_prefill_into_a_given_cache():
     for t in range(9, 12):
         one = [x[..., t:t + 1, :] for x in xs]
         assert torch.equal(castle_decode(cache, *one)[0], castle_decode(own, *one)[0])
-    with pytest.raises(ValueError, match="empty cache"):
-        castle_prefill(*xs, cache=cache)
     with pytest.raises(ValueError, match="no window, scale, silu or max_len"):
         castle_prefill(*xs, window=4, cache=CastleCache(2, 3, 8, max_len=12, dtype=torch.float64, device="cpu"))
+    cache.to_static(torch.tensor([12]))
+    with pytest.raises(ValueError, match="static steps"):
+        castle_prefill(*[x[..., :2, :] for x in xs], cache=cache)
+
+
+@pytest.mark.parametrize("causal_keys, silu", [(True, True)] + ABLATIONS)
+@pytest.mark.parametrize("window", [None, 0, 1, 3, 7])
+@pytest.mark.parametrize("cuts, block", [((5,), 3), ((1, 2, 20), 2), ((9, 13, 14, 33), 16)])
+def test_prefill_continues_a_cache_in_chunks(monkeypatch, cuts, block, window, causal_keys, silu):
+    """A prompt fed in chunks: the first fills the cache in one pass, each later one is scored against the cache
+    and itself in blocks of `block` positions (a chunk spans several, or one, or a part of one). Every output
+    equals the parallel form over the whole sequence, the cache then holds U^t of eq (3) and the Q^U rows the next
+    token reads, and decoding continues as after a one-pass prefill."""
+    monkeypatch.setattr(castle_decode_module, "EXTEND_BLOCK", (block, block))
+    L, prompt = 40, 36
+    xs = ablated(inputs(2, 3, L, 8), causal_keys)
+    bounds = (0, *cuts, prompt)
+    cache = CastleCache(2, 3, 8, max_len=L, dtype=torch.float64, device="cpu", window=window,
+                        causal_keys=causal_keys, silu=silu)
+    outs = [castle_prefill(*[x if x is None else x[..., a:b, :] for x in xs], cache=cache)[0]
+            for a, b in zip(bounds, bounds[1:])]
+    assert cache.length == prompt
+    assert rel(cache.u, lookahead_keys(*xs[3:], prompt, window)) < 1e-13
+    _, whole = castle_prefill(*[x if x is None else x[..., :prompt, :] for x in xs], window=window, silu=silu)
+    assert torch.equal(cache.qu, whole.qu)
+    for t in range(prompt, L):
+        outs.append(castle_decode(cache, *[x if x is None else x[..., t:t + 1, :] for x in xs])[0])
+    assert rel(torch.cat(outs, dim=-2), castle_attn(*xs, window=window, silu=silu, impl="torch")) < 1e-13
+
+
+def test_prefill_block_follows_the_cache_size(monkeypatch):
+    """_extend's blocks: EXTEND_LOGITS logits over the rows the largest shard will hold once the prompt is in
+    (the same on every rank), within EXTEND_BLOCK; the last block takes the rest."""
+    blocks = []
+    monkeypatch.setattr(castle_decode_module, "_extend_block", lambda cache, qc, *_: blocks.append(qc.shape[-2]) or qc)
+    xs = inputs(1, 2, 300, 4, device="meta")
+    low, high = castle_decode_module.EXTEND_BLOCK
+    for cached, world, expected in ((64, 1, high), (2 ** 24, 1, low), (2 ** 20 - 300, 1, 32), (2 ** 20 - 300, 2, 64)):
+        cache = CastleCache(1, 2, 4, max_len=1, dtype=torch.float64, device="meta")
+        cache.world, cache.length = world, cached
+        blocks.clear()
+        castle_decode_module._extend(cache, *xs)
+        assert blocks == [expected] * (300 // expected) + [300 % expected] * (300 % expected > 0), (cached, world)
 
 
 @pytest.mark.parametrize("window", [None, 0, 3])
@@ -355,3 +397,25 @@ def test_gpu_ablation_decode_kernel_matches_torch_ops(causal_keys, silu):
     err_kernel, err_torch = rel(torch.cat(kernel, -2), ref), rel(torch.cat(torch_ops, -2), ref)
     assert err_kernel < max(1e-2, 1.25 * err_torch), (err_kernel, err_torch)
     assert rel(caches[0].u, caches[1].u) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal_keys,silu", [(True, True), *ABLATIONS])
+@pytest.mark.parametrize("window", [None, 700])
+@torch.no_grad()
+def test_gpu_prefill_in_chunks(window, causal_keys, silu):
+    """A 3000-token prompt in chunks of 1000, bf16: the chunks after the first are scored against the cache in
+    blocks (their cached part through the split-KV kernel with a bias per query and row), against the fp64
+    parallel form; the lookahead keys are as close to eq (3) in fp64 as a one-pass prefill's (whose Triton
+    kernel rounds its operands to bf16 where the blocks take fp32), the Q^U rows the same."""
+    xs = ablated(inputs(2, 9, 3000, 64, torch.bfloat16, device="cuda"), causal_keys)
+    ref = castle_attn(*_double(xs), window=window, silu=silu, impl="torch")
+    cache = CastleCache(2, 9, 64, max_len=3000, dtype=torch.bfloat16, device="cuda", window=window,
+                        causal_keys=causal_keys, silu=silu)
+    outs = [castle_prefill(*[x if x is None else x[..., a:a + 1000, :] for x in xs], cache=cache)[0]
+            for a in range(0, 3000, 1000)]
+    assert rel(torch.cat(outs, -2), ref) < 1e-2
+    _, whole = castle_prefill(*xs, window=window, silu=silu)
+    u64 = lookahead_keys(*[x.cpu() for x in _double(xs)[3:]], 3000, window).cuda()
+    err_chunked, err_whole = rel(cache.u, u64), rel(whole.u, u64)
+    assert err_chunked <= max(err_whole, 1e-4) and torch.equal(cache.qu, whole.qu), (err_chunked, err_whole)

@@ -407,6 +407,7 @@ def test_bench_decode_times_transformers_on_the_exported_weights(tmp_path):
     (["--n", "8", "--profile"], "--n must exceed 12"),
     (["--n", "4"], "--n must be >= 5: the first 4 tokens are not timed"),
     (["--capacity", "63"], "--capacity 63 must be at least every --ctx (largest 64)"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk -1: give a chunk of tokens, or 0 for the whole prompt at once"),
     (["--inductor", "max_autotun=True"], "'max_autotun=True' is not KEY=VALUE"),
     (["--inductor", "max_autotune"], "'max_autotune' is not KEY=VALUE"),
     (["--inductor", "max_autotune=yes"], "'max_autotune=yes': the value must be a Python literal")])

@@ -167,7 +167,8 @@ def test_cached_greedy_generation_equals_uncached(config):
     prompt = torch.randint(0, config.vocab_size, (2, 7))
     cached = model.generate(prompt, 20, temperature=0)
     uncached = model.generate(prompt, 20, temperature=0, use_cache=False)
-    assert torch.equal(cached, uncached)
+    chunked = model.generate(prompt, 20, temperature=0, prefill_chunk=3)     # the prompt as 3 + 3 + 1 tokens
+    assert torch.equal(cached, uncached) and torch.equal(chunked, cached)
 
 
 @pytest.mark.parametrize("config", variant_configs())

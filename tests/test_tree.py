@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_flatten
 import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail, not skip)
 
 from kernels import tree
-from kernels.castle import CastleCache, castle_decode, castle_prefill
+from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
+from kernels.castle import decode as castle_decode_module
 from kernels.tree import (COMBINES, allgather_decode, attn_partial, fox_bias, mask_bias, ring_decode,
                           sharded_cumsum, tree_decode)
 
@@ -272,6 +273,39 @@ def check_castle(c):
                 c.fails.append(f"{case}: rank {c.rank} holds other rows than {mine.tolist()}")
 
 
+def check_castle_chunks(c):
+    """A prompt fed to a sharded CASTLE / CASTLE-SWL cache in chunks: the first fills each rank's share in one pass
+    (one position leaves all but rank 0 empty), each later one goes through castle_prefill in blocks of two
+    positions, each block's attention over the ranks' rows merged by tree attention. Every output equals the
+    definition over the whole sequence (fp64), decoding goes on equal, and each rank holds exactly its rows' K^C
+    and lookahead keys (eq (3) at the last position)."""
+    gen = c.gen(11)
+    B, H, d, L = 2, 2, 8, 17
+    xs = [randn(gen, B, H, L, d) for _ in range(6)]
+    blocks, castle_decode_module.EXTEND_BLOCK = castle_decode_module.EXTEND_BLOCK, (2, 2)
+    try:
+        for window, cuts in itertools.product((None, 0, 3), ((1, 6, 13), (5, 6, 14))):
+            case = f"window={window} cuts={cuts}"
+            cache = CastleCache(B, H, d, max_len=L, dtype=torch.float32, device=c.device, window=window,
+                                group=dist.group.WORLD)
+            bounds = (0, *cuts, L - 2)
+            outs = [castle_prefill(*c.to(*(x[:, :, a:b] for x in xs)), cache=cache)[0]
+                    for a, b in zip(bounds, bounds[1:])]
+            outs += [castle_decode(cache, *c.to(*(x[:, :, t:t + 1] for x in xs)))[0] for t in range(L - 2, L)]
+            want = castle_attn(*(x.double() for x in xs), window=window, impl="torch")
+            c.close(case, torch.cat(outs, dim=2), want, 1e-5)
+            qu, ku, vu = (x.double() for x in xs[3:])
+            owner, contributor = torch.arange(L)[:, None], torch.arange(L)[None, :]
+            reach = (owner < contributor) & ((contributor <= owner + window) if window is not None else True)
+            u = (torch.sigmoid(qu @ ku.mT / d ** 0.5) * reach) @ vu
+            mine = torch.arange(c.rank, L, c.world)
+            c.close(f"{case} lookahead keys", cache.u, u[:, :, mine], 1e-5)
+            if not torch.equal(cache.kc.cpu(), xs[1][:, :, mine]):
+                c.fails.append(f"{case}: rank {c.rank} holds other rows than {mine.tolist()}")
+    finally:
+        castle_decode_module.EXTEND_BLOCK = blocks
+
+
 class CommLog(CommDebugMode):
     """CommDebugMode that also logs every c10d op (collective or not) as
     (op, reduce op or None, ((shape, dtype) of each tensor argument, ...))."""
@@ -345,7 +379,8 @@ def check_bf16(c):
 
 
 CHECKS = {f.__name__[len("check_"):]: f for f in (check_exact, check_baselines, check_layout,
-          check_extreme, check_masked, check_chunk, check_fox, check_castle, check_budget, check_bf16)}
+          check_extreme, check_masked, check_chunk, check_fox, check_castle, check_castle_chunks, check_budget,
+          check_bf16)}
 
 
 # ----------------------------------------------------------------------------- spawning

@@ -10,7 +10,7 @@ Public API (tensors are (B, H, L, D); fp32/bf16 in, same dtype out, fp32 math in
 
     castle_attn(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=True, impl="auto")
     castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=None, max_len=None, cache=None)
-        -> (out, CastleCache)
+        -> (out, CastleCache)                           a prompt, into a new cache or continuing `cache`
     castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto") -> (out, CastleCache)   one position, in place
     CastleCache(batch, heads, head_dim, *, max_len, dtype, device, window=None, scale=None, group=None,
                 causal_keys=True, silu=True)
@@ -32,7 +32,7 @@ op.py (castle_attn, the custom ops torch.compile sees), decode.py (CastleCache, 
 decode kernels).
 
 Internal API for tests and benchmarks (documented in each module, no stability promise):
-    reference: attn_parallel, attn_blockwise, to_blocks, blockwise_forward, blockwise_backward
+    reference: attn_parallel, parallel_logits, attn_blockwise, to_blocks, blockwise_forward, blockwise_backward
     triton:    TritonConfig, BWD_VARIANTS, default_config, gpu_config, triton_forward, triton_backward, ...
     op:        attn_triton (the Triton path with explicit tiles)
 """

@@ -3,7 +3,8 @@ decode kernels. CASTLE (arXiv:2509.07301) §2.4 and Appendix 9: eq (13) updates 
 (5)-(8) score the cached positions, Algorithm 4 prefills.
 
     castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, max_len=None, cache=None)
-        -> (out, cache): attention over a prompt and the cache after it.
+        -> (out, cache): attention over a prompt and the cache after it; given a cache that holds positions,
+        the prompt continues it (a prompt fed in chunks), in blocks scored against the cached rows.
     castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto") -> (out, cache): one position, in place.
 
 A cache made with a process group holds only this rank's positions (round robin, RoundRobinRows); every
@@ -19,10 +20,11 @@ silu=False scores s^C - s^U.
 """
 import torch
 
-from kernels.castle.reference import blockwise_forward, check_inputs, lookahead_logit, to_blocks
+from kernels.castle.reference import (blockwise_forward, check_inputs, lookahead_logit, parallel_logits,
+                                     to_blocks)
 from kernels.castle.triton import default_config, triton_forward
 from kernels.sdpa import decode_sdpa
-from kernels.tree import NEG, RoundRobinRows, tree_merge
+from kernels.tree import NEG, RoundRobinRows, merge_states, tree_merge
 from kernels.triton_utils import at_least_fp32, deal_keys, interpreting, padded_head_dim, require_triton, tl, triton
 
 if triton is not None:
@@ -289,22 +291,29 @@ class CastleCache(RoundRobinRows):
 
 
 def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=None, max_len=None, cache=None):
-    """Attention over a prompt of L positions (B, H, L, D) and the UQ-KV cache after it (Algorithm 4). The
-    block forward (Triton on CUDA, blockwise PyTorch otherwise) also folds the last block into its U state,
-    which then is U^L: Algorithm 4's U for free. max_len: positions (prompt included) to preallocate the
-    cache for; decoding past it still works (the buffers double). cache: an empty CastleCache to fill
-    instead of a new one (window, scale, silu and max_len are then its own); with a process group every rank
-    computes the whole prompt and keeps its rows. kc None: no causal keys; silu: the gate (default on); both
-    as in castle_attn."""
-    if cache is not None and (cache.length or (window, scale, silu, max_len) != (None, None, None, None)):
-        raise ValueError("castle_prefill(cache=...) fills an empty cache, with the window, scale, silu and "
-                         "capacity it was made with; pass a fresh cache and no window, scale, silu or max_len")
+    """Attention over a prompt of L positions (B, H, L, D) and the UQ-KV cache after it (Algorithm 4).
+    max_len: positions (prompt included) to preallocate the cache for; decoding past it still works (the
+    buffers double). cache: a CastleCache to continue instead of a new one (its window, scale, silu and
+    capacity apply); with a process group every rank computes the whole prompt and keeps its rows. kc None:
+    no causal keys; silu: the gate (default on); both as in castle_attn.
+
+    Into an empty cache the block forward (Triton on CUDA, blockwise PyTorch otherwise) runs once and also folds
+    the last block into its U state, which then is U^L: Algorithm 4's U for free. A cache that holds positions
+    (a prompt fed in chunks, sharded or not) takes the prompt in blocks of positions (_extend)."""
+    if cache is not None and (window, scale, silu, max_len) != (None, None, None, None):
+        raise ValueError("castle_prefill(cache=...) continues the cache with the window, scale, silu and capacity "
+                         "it was made with; pass no window, scale, silu or max_len with it")
+    if cache is not None and cache.position is not None:
+        raise ValueError("this CASTLE cache takes static steps (to_static): feed it one position at a time "
+                         "with castle_decode, not a prompt")
     check_inputs(qc, kc, vc, qu, ku, vu, window if cache is None else cache.window)
     B, H, L, D = qc.shape
     if cache is None:
         cache = CastleCache(B, H, D, max_len=max(L, max_len or 0), dtype=qc.dtype, device=qc.device,
                             window=window, scale=scale, causal_keys=kc is not None, silu=silu is not False)
     _check_variant(cache, kc)
+    if cache.length:
+        return _extend(cache, qc, kc, vc, qu, ku, vu), cache
     window, scale, silu = cache.window, cache.scale, cache.silu
     cdt = at_least_fp32(qc.dtype)
     if L == 0:
@@ -320,6 +329,58 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=None
         out, u = out.flatten(2, 3)[:, :, :L].to(qc.dtype), u.flatten(2, 3)[:, :, :L]
     cache.extend(u, qu, kc, vc)
     return out, cache
+
+
+# The logits a block of new positions holds against the cached rows, (B x H x positions x local rows), in the
+# lookahead keys' dtype: each of the block's few (B, H, positions, rows) temporaries stays under 256 MiB in fp32.
+EXTEND_LOGITS = 2 ** 26
+EXTEND_BLOCK = (16, 256)        # the fewest and most positions a block takes
+
+
+def _extend(cache, qc, kc, vc, qu, ku, vu):
+    """castle_prefill onto a cache that holds positions: the prompt in blocks (_extend_block), sized on the rows
+    the largest shard will hold so that every rank of a group takes the same blocks (each makes one merge)."""
+    B, H, L, _ = qc.shape
+    low, high = EXTEND_BLOCK
+    block = max(low, min(high, EXTEND_LOGITS // (B * H * cache.max_rows(cache.length + L))))
+    xs = (qc, kc, vc, qu, ku, vu)
+    return torch.cat([_extend_block(cache, *(x if x is None else x[..., i: i + block, :] for x in xs))
+                      for i in range(0, L, block)], dim=-2)
+
+
+def _extend_block(cache, qc, kc, vc, qu, ku, vu):
+    """Positions p .. p + n - 1 (B, H, n, D) after the p the cache holds: their attention, then the cache extended.
+
+    A new query i scores cached row j with the lookahead key j has at i, u_j (as cached, after p - 1) plus the
+    terms of the block's contributors m <= i that reach j (eq (3); SWL: m <= j + W), so
+        s^U[i, j] = s q^C_i.u_j + sum_m [m <= i] (s q^C_i.v^U_m) sigmoid(s q^U_j.k^U_m)
+    (the owners j are the rows whose Q^U the cache keeps: cache.qu, the last rows held here), and the block's own
+    positions as CASTLE over the block alone (their lookahead keys start at zero). The two parts are partial
+    softmax states merged exactly (kernels/tree.py; sharded, the cached part over every rank's rows first). Then
+    the block's contributors join the owners' keys and the block's rows are stored (extend)."""
+    dt, s, n = cache.u_buf.dtype, cache.scale, qc.shape[-2]
+    own_logits, a_u = parallel_logits(qc, kc, qu, ku, vu, cache.window, s, cache.silu)
+    own_lse = torch.logsumexp(own_logits, dim=-1)
+    own_out = torch.softmax(own_logits, dim=-1) @ vc.to(dt)
+    q, owners, rows = qc.to(dt), cache.qu, cache.n_local
+    s_u = s * q @ cache.u.mT
+    if owners.shape[-2]:
+        first = rows - owners.shape[-2]
+        reach = torch.sigmoid(s * owners.to(dt) @ ku.to(dt).mT)               # (B, H, owner j, contributor m)
+        if cache.window is not None:
+            m = cache.length + torch.arange(n, device=qc.device)
+            reach = reach * (m <= cache.key_positions(first)[:, None] + cache.window).to(dt)
+        s_u[..., first:] += (s * q @ vu.to(dt).mT).tril() @ reach.mT
+    bias = lookahead_logit(s_u, cache.silu)                                    # eqs (6), (7)
+    q, k = qc, cache.kc
+    if not cache.causal_keys:   # logits = bias alone: a zero query scores s^C = 0 against any keys (V^C's)
+        q, k = torch.zeros_like(qc), cache.vc
+    out, lse = cache.merged_state(q, k, cache.vc, scale=s, bias=bias)
+    out, _ = merge_states(torch.stack([out, own_out]), torch.stack([lse, own_lse]))
+    if owners.shape[-2]:
+        cache.u_buf[..., first: rows, :] += reach @ vu.to(dt)                # eq (3)
+    cache.extend(a_u @ vu.to(dt), qu, kc, vc)
+    return out.to(qc.dtype)
 
 
 def _check_variant(cache, kc):

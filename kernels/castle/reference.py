@@ -12,7 +12,8 @@ Two ablations of CASTLE (arXiv:2509.07301) §5.2 ride on every entry point: kc=N
 (Table 10: s * Qc Kc^T - S^U).
 
     attn_parallel   L x L matrices and an L x L x L product (O(L^3)); the reference, differentiable by
-                    autograd in any dtype (fp64 in the tests).
+                    autograd in any dtype (fp64 in the tests). parallel_logits: its logits and A_U (a prompt
+                    chunk's block scores itself with them, decode.py).
     attn_blockwise  the O(L^2 d) block algorithm of Theorem 2 (Appendix 8): the paper's anti-diagonal sweep,
                     vectorised over each anti-diagonal, with a hand-written backward (Algorithm 3); nothing
                     larger than an L x block strip is ever held. For CPU at moderate lengths.
@@ -62,9 +63,11 @@ def window_or_len(window, L):
 # The parallel form (Theorem 1, eqs 10-12)
 
 
-def attn_parallel(qc, kc, vc, qu, ku, vu, window, scale, silu=True):
-    dtype, L = qc.dtype, qc.shape[-2]
-    qc, kc, vc, qu, ku, vu = (None if t is None else t.to(at_least_fp32(dtype)) for t in (qc, kc, vc, qu, ku, vu))
+def parallel_logits(qc, kc, qu, ku, vu, window, scale, silu=True):
+    """The logits of eq (12) over L positions, (..., L query, L key) with -inf above the diagonal, and A_U
+    (..., L owner, L contributor), both in at_least_fp32 of the inputs' dtype."""
+    qc, kc, qu, ku, vu = (None if t is None else t.to(at_least_fp32(qc.dtype)) for t in (qc, kc, qu, ku, vu))
+    L = qc.shape[-2]
     idx = torch.arange(L, device=qc.device)
     causal = idx[:, None] >= idx[None, :]                                # (query t, key j)
     ahead = idx[:, None] < idx[None, :]                                  # (owner j, contributor i)
@@ -76,8 +79,12 @@ def attn_parallel(qc, kc, vc, qu, ku, vu, window, scale, silu=True):
     scores = lookahead_logit(s_u, silu)
     if kc is not None:
         scores = scores + scale * qc @ kc.mT
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return (torch.softmax(scores, dim=-1) @ vc).to(dtype)               # eq (12)
+    return scores.masked_fill(~causal, float("-inf")), a_u
+
+
+def attn_parallel(qc, kc, vc, qu, ku, vu, window, scale, silu=True):
+    scores, _ = parallel_logits(qc, kc, qu, ku, vu, window, scale, silu)
+    return (torch.softmax(scores, dim=-1) @ vc.to(scores.dtype)).to(qc.dtype)    # eq (12)
 
 
 # ----------------------------------------------------------------------------------------------------
