@@ -829,7 +829,9 @@ class GPT(nn.Module):
         Stops early once every row has produced `eot_token`; rows that finished keep emitting it.
         group: split the cache over this process group (`new_cache`); call on every rank with the
         same idx. Each token is broadcast from the group's first rank, so the ranks' streams stay
-        one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time.
+        one stream even when sampling. prefill_chunk: feed the prompt this many tokens at a time (bounds the
+        prefill's activations; CASTLE's chunks after the first go in blocks against its cache, about 11x slower
+        on one GPU than the whole prompt at once).
         cuda_graph: after the prompt's prefill, every one-token step is one replay of a CUDA graph
         (GraphedDecodeStep) that also samples the next token, and the host launches each step without waiting
         for the one before (model/sampling.py replay_stream: a consumer that does not read every token on the
