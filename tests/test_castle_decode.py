@@ -135,7 +135,7 @@ def test_prefill_continues_a_cache_in_chunks(monkeypatch, cuts, block, window, c
     and itself in blocks of `block` positions (a chunk spans several, or one, or a part of one). Every output
     equals the parallel form over the whole sequence, the cache then holds U^t of eq (3) and the Q^U rows the next
     token reads, and decoding continues as after a one-pass prefill."""
-    monkeypatch.setattr(castle_decode_module, "EXTEND_BLOCK", (block, block))
+    monkeypatch.setattr(castle_decode_module, "_EXTEND_BLOCK", (block, block))
     L, prompt = 40, 36
     xs = ablated(inputs(2, 3, L, 8), causal_keys)
     bounds = (0, *cuts, prompt)
@@ -153,12 +153,12 @@ def test_prefill_continues_a_cache_in_chunks(monkeypatch, cuts, block, window, c
 
 
 def test_prefill_block_follows_the_cache_size(monkeypatch):
-    """_extend's blocks: EXTEND_LOGITS logits over the rows the largest shard will hold once the prompt is in
-    (the same on every rank), within EXTEND_BLOCK; the last block takes the rest."""
+    """_extend's blocks: _EXTEND_LOGITS logits over the rows the largest shard will hold once the prompt is in
+    (the same on every rank), within _EXTEND_BLOCK; the last block takes the rest."""
     blocks = []
     monkeypatch.setattr(castle_decode_module, "_extend_block", lambda cache, qc, *_: blocks.append(qc.shape[-2]) or qc)
     xs = inputs(1, 2, 300, 4, device="meta")
-    low, high = castle_decode_module.EXTEND_BLOCK
+    low, high = castle_decode_module._EXTEND_BLOCK
     for cached, world, expected in ((64, 1, high), (2 ** 24, 1, low), (2 ** 20 - 300, 1, 32), (2 ** 20 - 300, 2, 64)):
         cache = CastleCache(1, 2, 4, max_len=1, dtype=torch.float64, device="meta")
         cache.world, cache.length = world, cached

@@ -282,7 +282,7 @@ def check_castle_chunks(c):
     gen = c.gen(11)
     B, H, d, L = 2, 2, 8, 17
     xs = [randn(gen, B, H, L, d) for _ in range(6)]
-    blocks, castle_decode_module.EXTEND_BLOCK = castle_decode_module.EXTEND_BLOCK, (2, 2)
+    blocks, castle_decode_module._EXTEND_BLOCK = castle_decode_module._EXTEND_BLOCK, (2, 2)
     try:
         for window, cuts in itertools.product((None, 0, 3), ((1, 6, 13), (5, 6, 14))):
             case = f"window={window} cuts={cuts}"
@@ -303,7 +303,7 @@ def check_castle_chunks(c):
             if not torch.equal(cache.kc.cpu(), xs[1][:, :, mine]):
                 c.fails.append(f"{case}: rank {c.rank} holds other rows than {mine.tolist()}")
     finally:
-        castle_decode_module.EXTEND_BLOCK = blocks
+        castle_decode_module._EXTEND_BLOCK = blocks
 
 
 class CommLog(CommDebugMode):

@@ -333,16 +333,16 @@ def castle_prefill(qc, kc, vc, qu, ku, vu, *, window=None, scale=None, silu=None
 
 # The logits a block of new positions holds against the cached rows, (B x H x positions x local rows), in the
 # lookahead keys' dtype: each of the block's few (B, H, positions, rows) temporaries stays under 256 MiB in fp32.
-EXTEND_LOGITS = 2 ** 26
-EXTEND_BLOCK = (16, 256)        # the fewest and most positions a block takes
+_EXTEND_LOGITS = 2 ** 26
+_EXTEND_BLOCK = (16, 256)        # the fewest and most positions a block takes
 
 
 def _extend(cache, qc, kc, vc, qu, ku, vu):
     """castle_prefill onto a cache that holds positions: the prompt in blocks (_extend_block), sized on the rows
     the largest shard will hold so that every rank of a group takes the same blocks (each makes one merge)."""
     B, H, L, _ = qc.shape
-    low, high = EXTEND_BLOCK
-    block = max(low, min(high, EXTEND_LOGITS // (B * H * cache.max_rows(cache.length + L))))
+    low, high = _EXTEND_BLOCK
+    block = max(low, min(high, _EXTEND_LOGITS // (B * H * cache.max_rows(cache.length + L))))
     xs = (qc, kc, vc, qu, ku, vu)
     return torch.cat([_extend_block(cache, *(x if x is None else x[..., i: i + block, :] for x in xs))
                       for i in range(0, L, block)], dim=-2)
