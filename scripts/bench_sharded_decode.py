@@ -83,6 +83,9 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     args.ctx = [int(x) for x in args.ctx.split(",")]
     args.attention = args.attention.split(",")
+    if args.prefill_chunk < 0 or args.prefill_steps < 1:
+        ap.error(f"--prefill-chunk {args.prefill_chunk} --prefill-steps {args.prefill_steps}: give a chunk of tokens "
+                 "(0: no prefill rows) and at least one timed chunk")
     bad = set(args.attention) - set(VARIANTS)
     if bad:
         ap.error(f"unknown attention {sorted(bad)}; choose from {VARIANTS}")
@@ -329,9 +332,10 @@ def run_row(model, args, ctx, group, device, dtype, mode):
     of --prefill-chunk tokens): the row (the same on every rank). A cache that does not fit on some rank (out of
     memory while filling) gives a row with a note instead of numbers."""
     world = dist.get_world_size(group) if group is not None else 1
-    chunk = args.prefill_chunk if mode == "prefill" else 1
-    steps = args.prefill_steps if mode == "prefill" else args.steps
-    warmup = max(args.warmup if mode != "prefill" else 1, GRAPH_WARMUP if mode == "graph" else 0)
+    if mode == "prefill":          # a prompt chunk per step, one chunk of warm-up
+        chunk, steps, warmup = args.prefill_chunk, args.prefill_steps, 1
+    else:
+        chunk, steps, warmup = 1, args.steps, max(args.warmup, GRAPH_WARMUP if mode == "graph" else 0)
     row = dict(ranks=world, ctx=ctx, variant=variant_name(model.config),
                mode=f"prefill {chunk}" if mode == "prefill" else mode, ms=None)
     max_len = ctx + (warmup + steps) * chunk + 16  # the steps, graph warm-up and capture

@@ -76,3 +76,10 @@ def test_benchmark_prints_a_row_per_variant(world, tmp_path):
     assert proc.stdout.count("| ranks | ctx | variant | ms/token | tokens/s | peak GiB |") == 1  # rank 0 only
     saved = json.loads(out.read_text())
     assert saved["world"] == world and len(saved["rows"]) == 8
+
+
+@pytest.mark.parametrize("args", [["--prefill-chunk", "-1"], ["--prefill-chunk", "8", "--prefill-steps", "0"]])
+def test_prefill_options_are_checked_before_any_work(args, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        bench.parse(args)
+    assert exit_.value.code == 2 and "give a chunk of tokens (0: no prefill rows)" in capsys.readouterr().err

@@ -23,6 +23,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._pytree import tree_flatten
 import triton  # noqa: F401  (pinned in requirements.txt: a broken install must fail, not skip)
 
+from test_castle_kernels import lookahead_keys
+
 from kernels import tree
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.castle import decode as castle_decode_module
@@ -233,10 +235,7 @@ def castle_reference(qc, kc, vc, qu, ku, vu, t, window):
     """Single-device CASTLE output at position t from its definition (arXiv:2509.07301 eqs (3)-(8)), fp64."""
     qc, kc, vc, qu, ku, vu = (x.double() for x in (qc, kc, vc, qu, ku, vu))
     d = qc.shape[-1]
-    s, j = torch.arange(t + 1).unsqueeze(-1), torch.arange(t + 1)
-    keep = (s < j) & ((j <= s + window) if window is not None else True)
-    sig = torch.sigmoid(qu[:, :, :t + 1] @ ku[:, :, :t + 1].transpose(-1, -2) / d ** 0.5) * keep
-    u = sig @ vu[:, :, :t + 1]
+    u = lookahead_keys(qu, ku, vu, t + 1, window)
     logits = qc[:, :, t:t + 1] @ kc[:, :, :t + 1].transpose(-1, -2) / d ** 0.5 \
         - F.silu(qc[:, :, t:t + 1] @ u.transpose(-1, -2) / d ** 0.5)
     return torch.softmax(logits, -1) @ vc[:, :, :t + 1]
@@ -294,10 +293,7 @@ def check_castle_chunks(c):
             outs += [castle_decode(cache, *c.to(*(x[:, :, t:t + 1] for x in xs)))[0] for t in range(L - 2, L)]
             want = castle_attn(*(x.double() for x in xs), window=window, impl="torch")
             c.close(case, torch.cat(outs, dim=2), want, 1e-5)
-            qu, ku, vu = (x.double() for x in xs[3:])
-            owner, contributor = torch.arange(L)[:, None], torch.arange(L)[None, :]
-            reach = (owner < contributor) & ((contributor <= owner + window) if window is not None else True)
-            u = (torch.sigmoid(qu @ ku.mT / d ** 0.5) * reach) @ vu
+            u = lookahead_keys(*(x.double() for x in xs[3:]), L, window)
             mine = torch.arange(c.rank, L, c.world)
             c.close(f"{case} lookahead keys", cache.u, u[:, :, mine], 1e-5)
             if not torch.equal(cache.kc.cpu(), xs[1][:, :, mine]):

@@ -265,6 +265,11 @@ class CastleCache(RoundRobinRows):
             bias = bias.masked_fill(past, float("-inf"))
         return bias
 
+    def causal_operands(self, qc):
+        """(query, keys) of the causal logits s q^C.k^C_j over the rows a step reads; without causal keys the
+        logits are the lookahead bias alone, which a zero query against any keys (V^C's) leaves them."""
+        return (qc, self.kc) if self.causal_keys else (torch.zeros_like(qc), self.vc)
+
     def extend(self, u, qu, kc, vc):
         """Append positions length .. length + T - 1 given as whole (B, H, T, D) tensors; the rank keeps
         its rows. u holds their lookahead keys as they stand after the last of them: extend fills a cache
@@ -372,10 +377,7 @@ def _extend_block(cache, qc, kc, vc, qu, ku, vu):
             reach = reach * (m <= cache.key_positions(first)[:, None] + cache.window).to(dt)
         s_u[..., first:] += (s * q @ vu.to(dt).mT).tril() @ reach.mT
     bias = lookahead_logit(s_u, cache.silu)                                    # eqs (6), (7)
-    q, k = qc, cache.kc
-    if not cache.causal_keys:   # logits = bias alone: a zero query scores s^C = 0 against any keys (V^C's)
-        q, k = torch.zeros_like(qc), cache.vc
-    out, lse = cache.merged_state(q, k, cache.vc, scale=s, bias=bias)
+    out, lse = cache.merged_state(*cache.causal_operands(qc), cache.vc, scale=s, bias=bias)
     out, _ = merge_states(torch.stack([out, own_out]), torch.stack([lse, own_lse]))
     if owners.shape[-2]:
         cache.u_buf[..., first: rows, :] += reach @ vu.to(dt)                # eq (3)
@@ -426,9 +428,7 @@ def castle_decode(cache, qc, kc, vc, qu, ku, vu, *, impl="auto"):
     cache.add_lookahead(ku, vu)                                              # eq (13)
     cache.append(qu, kc, vc)
     bias = cache.lookahead_bias(qc)                                          # eqs (6), (7)
-    q, k = qc, cache.kc
-    if not cache.causal_keys:   # logits = bias alone: a zero query scores s^C = 0 against any keys (V^C's)
-        q, k = torch.zeros_like(qc), cache.vc
+    q, k = cache.causal_operands(qc)
     if cache.world == 1:
         out = decode_sdpa(q, k, cache.vc, attn_mask=_sdpa_mask(bias, qc.dtype), scale=cache.scale)
     else:
