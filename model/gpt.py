@@ -72,6 +72,8 @@ class GPTConfig:
     fgate_bias_init: float = 0.0        # forget-gate bias at init (FoX: 0, App. D)
     fgate_tmin: float | None = None     # T_min, T_max: per-head bias init with decay times log-spaced over the
     fgate_tmax: float | None = None     # heads (App. D; replaces fgate_bias_init); null: fgate_bias_init
+    fgate_prune_log_eps: float | None = None  # log eps < 0: Adaptive Computation Pruning (arXiv:2504.06949) skips
+                                        # attention blocks whose weight per row sums below eps; null: exact
     qk_norm: bool = False               # per-head RMSNorm of q and k (Pro)
     qk_norm_shared: bool = True         # one d_h scale shared by all heads, as in the paper's runs (App. A, fn. 4)
     kv_shift: bool = False              # data-dependent token shift of k and v (Pro, eq 17/19)
@@ -139,6 +141,10 @@ class GPTConfig:
         if tmin is not None and not 0 < tmin < tmax:
             raise ValueError(f"model.fgate_tmin={tmin}, model.fgate_tmax={tmax}: the decay times must satisfy "
                              "0 < fgate_tmin < fgate_tmax")
+        eps = self.fgate_prune_log_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps < 0):
+            raise ValueError(f"model.fgate_prune_log_eps={eps!r}: pruning needs log(eps) < 0, the bound on the "
+                             "attention weight a row may lose (e.g. -10, the paper's); null turns it off")
         if tmin is not None and self.fgate_bias_init != 0:
             raise ValueError(f"model.fgate_bias_init={self.fgate_bias_init} and model.fgate_tmin/fgate_tmax both "
                              "set the forget-gate bias at init; set one of them")
@@ -206,7 +212,9 @@ class GPTConfig:
 # ----------------------------------------------------------------------------- norms, MLPs
 
 FUSED_OPTIONS = ("fused_loss", "fused_norm", "fused_swiglu")   # the fused kernels' switches (each has "auto")
-NEUTRAL_OPTIONS = FUSED_OPTIONS + ("fused_loss_chunk",)         # GPTConfig fields that change no result
+# GPTConfig fields that change no result (pruning: by less than eps of each attention row's weight), so a run may
+# resume with them changed and an exported model runs without them
+NEUTRAL_OPTIONS = FUSED_OPTIONS + ("fused_loss_chunk", "fgate_prune_log_eps")
 FUSED_SWIGLU = ("none", "packed", "triton", "auto")
 PACK_ALIGN = 64   # the packed SwiGLU's halves start on multiples of 64 units (SwiGLU)
 LOSS_CHOICES = LOSS_IMPLS + ("auto",)
@@ -480,6 +488,7 @@ class SoftmaxAttention(nn.Module):
         self.out = nn.Linear(inner, config.n_embd, bias=config.bias)
         self.out.residual_proj = True
         self.fgate = make_forget_gate(config) if forget_gate else None
+        self.prune_log_eps = config.fgate_prune_log_eps
         self.shift = nn.Linear(config.n_embd, 2 * config.n_head, bias=False) if config.kv_shift else None
         if config.qk_norm:
             self.q_norm = HeadRMSNorm(config.n_head, config.head_dim, 1e-5, config.qk_norm_shared)
@@ -533,7 +542,7 @@ class SoftmaxAttention(nn.Module):
         if log_fgate is not None:
             if cache is not None and not fresh:
                 return forgetting_decode(q, k, v, c)
-            return forgetting_attn(q, k, v, log_fgate)
+            return forgetting_attn(q, k, v, log_fgate, prune_log_eps=self.prune_log_eps)
         dropout = self.dropout if self.training else 0.0
         if fresh:
             return causal_attention(q, k, v, dropout)
@@ -549,7 +558,7 @@ class SoftmaxAttention(nn.Module):
         visit only the key tiles of the window; anything else through the window cache."""
         if cache is not None and (cache.length or cache.group is not None or cache.position is not None):
             return cache.attend(q, k, v, cache.gates(log_fgate))
-        y = forgetting_attn(q, k, v, log_fgate, window=self.window)
+        y = forgetting_attn(q, k, v, log_fgate, window=self.window, prune_log_eps=self.prune_log_eps)
         if cache is not None:
             cache.store(k, v, cache.gates(log_fgate))
         return y

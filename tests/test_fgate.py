@@ -134,6 +134,29 @@ def test_gate_gradients_through_the_triton_kernels_equal_the_reference(fgate):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window", [None, 20])
+def test_pruning_option_reaches_the_op_and_keeps_the_loss(monkeypatch, window):
+    """model.fgate_prune_log_eps: every FoX layer's forgetting_attn runs with it (windowed too), and with strongly
+    decaying gates the loss and the gradients stay those of the exact model (ACP drops weight < eps per row)."""
+    import model.gpt as gpt
+    seen = []
+    op = gpt.forgetting_attn
+    monkeypatch.setattr(gpt, "forgetting_attn", lambda *a, **kw: seen.append(kw["prune_log_eps"]) or op(*a, **kw))
+    idx = torch.randint(0, 97, (2, 61))
+    results = []
+    for prune in (None, -10.0):
+        model = GPT(tiny(fgate_bias_init=-2.0, block_size=64, attention_window=window, fgate_prune_log_eps=prune))
+        model.load_state_dict(results[0][2] if results else model.state_dict())
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        loss.backward()
+        results.append((loss.item(), [p.grad for p in model.parameters()], model.state_dict()))
+    assert seen == [None, None, -10.0, -10.0]
+    (loss, grads, _), (pruned_loss, pruned_grads, _) = results
+    assert abs(pruned_loss - loss) < 1e-5
+    for got, want in zip(pruned_grads, grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("fgate", ["data_dependent", "bias_only", "fixed"])
 def test_each_variant_learns(fgate):
     """A few AdamW steps on one batch lower the loss (the fixed gate only through the other weights)."""
@@ -224,6 +247,9 @@ def test_gate_experiment_configs_drop_only_the_gate_parameters(arch, fgate):
     (dict(fgate_tmin=0, fgate_tmax=2), r"fgate_tmin=0, model\.fgate_tmax=2: .* 0 < fgate_tmin"),
     (dict(fgate_tmin=-1, fgate_tmax=2), r"fgate_tmin=-1"),
     (dict(fgate="bias_only", fgate_tmin=2, fgate_tmax=8, fgate_bias_init=0.5), "both set the forget-gate bias"),
+    (dict(fgate_prune_log_eps=0.0), r"model\.fgate_prune_log_eps=0\.0: pruning needs log\(eps\) < 0"),
+    (dict(fgate_prune_log_eps=True), r"model\.fgate_prune_log_eps=True"),
+    (dict(attention="baseline", pos="rope", fgate_prune_log_eps=-10), r"fgate_prune_log_eps=-10 only applies"),
 ])
 def test_bad_gate_options_are_named(bad, match):
     with pytest.raises(ValueError, match=match):

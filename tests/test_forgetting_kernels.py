@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels.forgetting.reference as reference
 import kernels.forgetting.triton as fox_triton
 from kernels.forgetting import fgate_cumsum, forgetting_attn, forgetting_decode
 from kernels.forgetting.triton import MAX_BLOCK, gate_grad, split_c
@@ -367,6 +368,107 @@ def test_window_must_be_positive_int(window):
 
 
 # ---------------------------------------------------------------------------------------------
+# Adaptive Computation Pruning (prune_log_eps; arXiv:2504.06949 §3)
+# ---------------------------------------------------------------------------------------------
+
+def test_acp_plan_is_the_block_rule():
+    """skip and q_end describe one set of block pairs: query block a keeps key block b <= a iff b = a or
+    c_first[a] - c_last[b] >= threshold (brute force over every pair)."""
+    n = 9
+    c = F.logsigmoid(torch.randn(3, 2, n * 4, dtype=torch.float64) - 1).cumsum(-1)
+    c_first, c_last = c[..., ::4], c[..., 3::4]
+    threshold = -6 * torch.rand(3, 2, dtype=torch.float64)
+    skip, q_end = reference.acp_plan(c_first, c_last, threshold)
+    for b_, h in ((b_, h) for b_ in range(3) for h in range(2)):
+        for a in range(n):
+            for b in range(a + 1):
+                kept = b == a or (c_first[b_, h, a] - c_last[b_, h, b]).item() >= threshold[b_, h].item()
+                assert kept == (b >= skip[b_, h, a]) == (a < q_end[b_, h, b])
+    assert 0 < (skip > 0).float().mean() < 1  # both outcomes occur
+
+
+def _lost_weight(q, k, v, log_fgate, log_eps):
+    """Per row, the exact attention weight of the entries ACP prunes (fp64); and how many it prunes."""
+    q, k, log_fgate = q.double(), k.double(), log_fgate.double()
+    L, scale = q.shape[-2], q.shape[-1] ** -0.5
+    c = fgate_cumsum(log_fgate)
+    s = scale * q @ k.transpose(-1, -2) + c[..., :, None] - c[..., None, :]
+    causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+    p = s.masked_fill(~causal, float("-inf")).softmax(-1)
+    pruned = causal & ~reference.acp_kept(q, k, c, scale, log_eps, fox_triton.MAX_BLOCK)
+    return (p * pruned).sum(-1), pruned.sum().item() / causal.sum().item()
+
+
+@pytest.mark.parametrize("log_eps", [-1.0, -10.0])
+def test_acp_bound(log_eps):
+    """What a row loses weighs less than eps (the threshold's guarantee), and pruning happens."""
+    q, k, v, log_fgate = make_inputs(2, 3, 3 * MAX_BLOCK + 5, 16, decay="strong")
+    lost, fraction = _lost_weight(2 * q, k, v, log_fgate, log_eps)
+    print(f"log eps {log_eps}: pruned {fraction:.0%} of the causal entries, largest row loss {lost.max():.1e}")
+    assert fraction > 0.2 and lost.max() < math.exp(log_eps)
+
+
+def test_acp_changes_outputs_by_eps():
+    """forgetting_attn(prune_log_eps=-10), Triton, against the exact fp64 reference: output and every gradient
+    as close as without pruning, while most of the entries are pruned."""
+    q, k, v, log_fgate = make_inputs(1, 2, 3 * MAX_BLOCK + 5, 32, decay="strong")
+    assert _lost_weight(q, k, v, log_fgate, -10.0)[1] > 0.3
+    o, grads, do = run(q, k, v, log_fgate, prune_log_eps=-10.0, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+
+
+@pytest.fixture
+def aggressive_acp(monkeypatch):
+    """A threshold of -1 (nats) for every head: pruning that changes the outputs visibly, so that a
+    kernel which skips other block pairs than the plan's fails a comparison with the masked reference."""
+    import kernels.forgetting.op as fox_op
+    threshold = lambda q, k, scale, log_eps, L: torch.full(q.shape[:2], -1.0, dtype=torch.float64, device=q.device)
+    monkeypatch.setattr(fox_op, "acp_threshold", threshold)
+    monkeypatch.setattr(reference, "acp_threshold", threshold)
+
+
+@pytest.mark.usefixtures("aggressive_acp")
+@pytest.mark.parametrize("window", [None, 23])
+def test_acp_triton_matches_masked_reference(window):
+    """The kernels skip exactly the plan's block pairs: forward and every gradient against the fp64
+    reference that masks them (and far from the unpruned op), with and without a window."""
+    q, k, v, log_fgate = make_inputs(1, 2, 4 * MAX_BLOCK + 3, 32, decay="mixed")
+    o, grads, do = run(q, k, v, log_fgate, window=window, prune_log_eps=-10.0, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do, window=window, prune_log_eps=-10.0)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+    assert rel_err(o, run_fp64(q, k, v, log_fgate, do, window=window)[0]) > 1e-2
+
+
+@pytest.mark.skipif(not interpreting(), reason="on a GPU the autotuned tiles run (test_gpu_*)")
+@pytest.mark.usefixtures("aggressive_acp")
+def test_acp_blocks_span_tiles(monkeypatch):
+    """The GPU's case: plan blocks larger than every tile (32 positions here, tiles of 16), so a tile's
+    loop bounds come from the block it lies in."""
+    monkeypatch.setattr(fox_triton, "MAX_BLOCK", 32)
+    monkeypatch.setattr(fox_triton, "C_BLOCK", 32)
+    monkeypatch.setitem(fox_triton.FWD_FIXED, "interpret", dict(BLOCK_M=16, BLOCK_N=16))
+    monkeypatch.setitem(fox_triton.BWD_FIXED, "interpret", dict(BLOCK_SMALL=16, BLOCK_SMALL_DQ=16, BLOCK_LARGE=16))
+    q, k, v, log_fgate = make_inputs(1, 2, 150, 16, decay="mixed")
+    o, grads, do = run(q, k, v, log_fgate, prune_log_eps=-10.0, impl="triton")
+    o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do, prune_log_eps=-10.0)
+    check(o, grads, o_ref, grads_ref, 2e-5)
+
+
+@pytest.mark.parametrize("prune_log_eps", [0.0, 1, True, "-10"])
+def test_acp_option_checked(prune_log_eps):
+    q, k, v, log_fgate = make_inputs(1, 1, 8, 16, device="cpu")
+    with pytest.raises(ValueError, match="prune_log_eps"):
+        forgetting_attn(q, k, v, log_fgate, prune_log_eps=prune_log_eps)
+
+
+def test_acp_needs_the_gate():
+    q, k, v, _ = make_inputs(1, 1, 8, 16, device="cpu")
+    with pytest.raises(ValueError, match="prune_log_eps needs a forget gate"):
+        forgetting_attn(q, k, v, None, prune_log_eps=-10.0)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: real shapes
 # ---------------------------------------------------------------------------------------------
 
@@ -377,6 +479,18 @@ def test_gpu_real_shape_bf16(D, decay):
     """bf16 at L = 4096 against the fp32 reference (catches fp32-accumulation bugs)."""
     q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, decay)
     o, grads, do = run(q, k, v, log_fgate)
+    o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
+    check(o, grads, o_ref, grads_ref, 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_acp_bf16(D):
+    """prune_log_eps=-10 in bf16 at L = 4096, strongly decaying gates (most blocks pruned), against the
+    exact fp32 reference: as close as the unpruned kernels (test_gpu_real_shape_bf16)."""
+    q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, "strong")
+    assert _lost_weight(q[:, :2], k[:, :2], v[:, :2], log_fgate[:, :2], -10.0)[1] > 0.8
+    o, grads, do = run(q, k, v, log_fgate, prune_log_eps=-10.0)
     o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
     check(o, grads, o_ref, grads_ref, 1e-2)
 

@@ -22,6 +22,11 @@ arXiv:2503.02130 App. E, Algorithms 1 and 2) and the gate's cumsum and its adjoi
 - No gate (c_parts=None): c = 0 without loading it and no row or column sums, i.e. plain causal
   softmax attention (with a window: sliding-window attention). GATED and WINDOWED are constexpr, so
   each variant compiles on its own and the gated causal kernel is the code it was without them.
+- Adaptive Computation Pruning (ACP, arXiv:2504.06949 §3; optional, plan=acp_plan_of(...)): the block
+  pairs whose largest bias is below a threshold are skipped. The plan is per MAX_BLOCK block, a multiple
+  of every tile, so the forward, both backward loops and every tile config skip the same pairs: each
+  loop's bounds move (SKIP: the first kept key block of a query block; QEND: the end of the query blocks
+  that keep a key block), no branch inside a loop.
 - Any L: inputs are zero-padded at the end to a multiple of MAX_BLOCK. Padded positions
   come after every real one, so causality keeps them out of the real outputs and gradients.
   Kernels therefore need no tail masks. Head dims that are not powers of two are zero-padded.
@@ -29,12 +34,15 @@ arXiv:2503.02130 App. E, Algorithms 1 and 2) and the gate's cumsum and its adjoi
   3xTF32 dots (about fp32 accuracy) and one fixed tile config, the interpreter tiny tiles.
 
 Internal API (tests, scripts/bench_forgetting.py): MAX_BLOCK, C_BLOCK, FWD_FIXED, BWD_FIXED,
-padded_length, pad, split_c, gate_grad, triton_fwd, triton_bwd, fwd_kernel, bwd_kernel, fwd_tuned,
+padded_length, pad, split_c, acp_plan_of, gate_grad, triton_fwd, triton_bwd, fwd_kernel, bwd_kernel, fwd_tuned,
 bwd_tuned.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
+from kernels.forgetting.reference import acp_plan
 from kernels.triton_utils import interpreting, tl, triton
 
 MAX_BLOCK = 16 if interpreting() else 128  # every tile size divides this; L is padded to it
@@ -125,6 +133,23 @@ if triton is not None:
             whole = tl.maximum(whole, k_end)
         return whole
 
+    # Adaptive Computation Pruning (acp_plan in reference.py): per c block, the first key block its queries
+    # keep and the end of the query blocks that keep it, in blocks of C_BLOCK positions (whole tiles)
+
+    @triton.jit
+    def _acp_keys_from(SKIP, start, lo, PRUNED: tl.constexpr):
+        # lo, or the first key that ACP keeps for the queries of `start`'s block if that is later
+        if PRUNED:
+            lo = tl.maximum(lo, tl.load(SKIP + start // C_BLOCK) * C_BLOCK)
+        return lo
+
+    @triton.jit
+    def _acp_queries_to(QEND, start, hi, PRUNED: tl.constexpr):
+        # hi, or the end of the queries that ACP keeps for the keys of `start`'s block if that is earlier
+        if PRUNED:
+            hi = tl.minimum(hi, tl.load(QEND + start // C_BLOCK) * C_BLOCK)
+        return hi
+
     @triton.jit
     def _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m, lo, hi, scale2,
                    WINDOW, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr,
@@ -155,11 +180,12 @@ if triton is not None:
     # The float scales are constexpr: torch.compile (Inductor) would pass a Python float as an fp64
     # scalar and promote the logits to fp64; as constants they stay fp32 in eager and compiled runs.
     @triton.jit
-    def fwd_kernel(Q, K, V, CO, CB, O, LSE2, scale2: tl.constexpr,
+    def fwd_kernel(Q, K, V, CO, CB, SKIP, QEND, O, LSE2, scale2: tl.constexpr,
                     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                     stride_vb, stride_vh, stride_vl, H, L, WINDOW,
                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    DOT_PREC: tl.constexpr, GATED: tl.constexpr, WINDOWED: tl.constexpr):
+                    DOT_PREC: tl.constexpr, GATED: tl.constexpr, WINDOWED: tl.constexpr,
+                    PRUNED: tl.constexpr):
         # grid (B*H, L/BLOCK_M); the longest (last) query tiles are launched first
         bh = tl.program_id(0)
         start_m = (L // BLOCK_M - 1 - tl.program_id(1)) * BLOCK_M
@@ -170,6 +196,7 @@ if triton is not None:
         V += b * stride_vb + h * stride_vh
         CO += bh.to(tl.int64) * L
         CB += bh.to(tl.int64) * (L // C_BLOCK)
+        SKIP += bh.to(tl.int64) * (L // C_BLOCK)
         O += bh.to(tl.int64) * L * HEAD_DIM
         LSE2 += bh.to(tl.int64) * L
 
@@ -181,9 +208,10 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
         # keys strictly before the tile that every row sees need no mask; the diagonal tile does, and
-        # so do the tiles that the window cuts (none without a window)
-        lo = _keys_from(start_m, WINDOW, BLOCK_N, WINDOWED)
-        whole = _keys_whole_from(start_m, start_m + BLOCK_M, WINDOW, BLOCK_N, WINDOWED)
+        # so do the tiles that the window cuts (none without a window); ACP skips the leading ones
+        lo = _acp_keys_from(SKIP, start_m, _keys_from(start_m, WINDOW, BLOCK_N, WINDOWED), PRUNED)
+        whole = _acp_keys_from(SKIP, start_m, _keys_whole_from(start_m, start_m + BLOCK_M, WINDOW, BLOCK_N, WINDOWED),
+                               PRUNED)
         acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, K, V, CO, CB, c_ref, stride_kl, stride_vl, offs_m,
                                    whole, start_m, scale2, WINDOW, HEAD_DIM, BLOCK_N, False, DOT_PREC,
                                    GATED, WINDOWED)
@@ -263,17 +291,17 @@ if triton is not None:
         return dq, dcq
 
     @triton.jit
-    def bwd_kernel(Q, K, V, CO, CB, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
+    def bwd_kernel(Q, K, V, CO, CB, SKIP, QEND, DO, LSE2, DELTA, DQ, DK, DV, DCQ, DCK,
                     scale: tl.constexpr, scale2: tl.constexpr,
                     stride_qb, stride_qh, stride_ql, stride_kb, stride_kh, stride_kl,
                     stride_vb, stride_vh, stride_vl, H, L, WINDOW,
                     HEAD_DIM: tl.constexpr, BLOCK_SMALL: tl.constexpr, BLOCK_SMALL_DQ: tl.constexpr,
                     BLOCK_LARGE: tl.constexpr, DOT_PREC: tl.constexpr, GATED: tl.constexpr,
-                    WINDOWED: tl.constexpr):
+                    WINDOWED: tl.constexpr, PRUNED: tl.constexpr):
         # grid (B*H, L/BLOCK_LARGE): program t owns key tile t (dK, dV, colsums) and query tile t
         # (dQ, rowsums); both tiles are BLOCK_LARGE long; the dK/dV loop takes BLOCK_SMALL queries a
         # step, the dQ loop BLOCK_SMALL_DQ keys. Without a gate (GATED false) c is 0 and there are no
-        # row and column sums.
+        # row and column sums. With ACP (PRUNED) every loop is cut to the block pairs that acp_plan keeps.
         bh = tl.program_id(0)
         start = tl.program_id(1) * BLOCK_LARGE
         b = (bh // H).to(tl.int64)
@@ -284,6 +312,8 @@ if triton is not None:
         offset = bh.to(tl.int64) * L  # into the contiguous (B, H, L[, D]) buffers
         CO += offset
         CB += bh.to(tl.int64) * (L // C_BLOCK)
+        SKIP += bh.to(tl.int64) * (L // C_BLOCK)
+        QEND += bh.to(tl.int64) * (L // C_BLOCK)
         LSE2 += offset
         DELTA += offset
         DCQ += offset
@@ -306,7 +336,8 @@ if triton is not None:
         dk = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
         dv = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
         dck = tl.zeros([BLOCK_LARGE], tl.float32)
-        whole_to = _queries_whole_to(start, end, L, WINDOW, BLOCK_SMALL, WINDOWED)
+        whole_to = _acp_queries_to(QEND, start, _queries_whole_to(start, end, L, WINDOW, BLOCK_SMALL, WINDOWED),
+                                   PRUNED)
         dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
                                       stride_ql, offs, start, end, scale2, WINDOW,
                                       HEAD_DIM, BLOCK_SMALL, True, DOT_PREC, GATED, WINDOWED)
@@ -316,7 +347,8 @@ if triton is not None:
         if WINDOWED:
             dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, c_tile, Q, DO, CO, CB, LSE2, DELTA, c_ref,
                                           stride_ql, offs, whole_to,
-                                          _queries_to(end, L, WINDOW, BLOCK_SMALL, WINDOWED), scale2,
+                                          _acp_queries_to(QEND, start, _queries_to(end, L, WINDOW, BLOCK_SMALL,
+                                                                                   WINDOWED), PRUNED), scale2,
                                           WINDOW, HEAD_DIM, BLOCK_SMALL, True, DOT_PREC, GATED, WINDOWED)
         out = offs[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty))
@@ -332,7 +364,8 @@ if triton is not None:
         delta = tl.load(DELTA + offs)
         dq = tl.zeros([BLOCK_LARGE, HEAD_DIM], tl.float32)
         dcq = tl.zeros([BLOCK_LARGE], tl.float32)
-        whole_from = _keys_whole_from(start, end, WINDOW, BLOCK_SMALL_DQ, WINDOWED)
+        whole_from = _acp_keys_from(SKIP, start, _keys_whole_from(start, end, WINDOW, BLOCK_SMALL_DQ, WINDOWED),
+                                    PRUNED)
         dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
                                 stride_vl, offs, start, end, scale2, WINDOW,
                                 HEAD_DIM, BLOCK_SMALL_DQ, True, DOT_PREC, GATED, WINDOWED)
@@ -341,7 +374,9 @@ if triton is not None:
                                 HEAD_DIM, BLOCK_SMALL_DQ, False, DOT_PREC, GATED, WINDOWED)
         if WINDOWED:
             dq, dcq = _bwd_dq_inner(dq, dcq, q, do, row_bias, delta, K, V, CO, CB, c_ref, stride_kl,
-                                    stride_vl, offs, _keys_from(start, WINDOW, BLOCK_SMALL_DQ, WINDOWED),
+                                    stride_vl, offs,
+                                    _acp_keys_from(SKIP, start, _keys_from(start, WINDOW, BLOCK_SMALL_DQ, WINDOWED),
+                                                   PRUNED),
                                     whole_from, scale2, WINDOW, HEAD_DIM, BLOCK_SMALL_DQ, True, DOT_PREC,
                                     GATED, WINDOWED)
         tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty))
@@ -419,7 +454,7 @@ if triton is not None:
         _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=64),
         _cfg(4, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),
     ]
-    TUNING_KEY = ["L", "WINDOW", "HEAD_DIM", "DOT_PREC", "GATED", "WINDOWED"]
+    TUNING_KEY = ["L", "WINDOW", "HEAD_DIM", "DOT_PREC", "GATED", "WINDOWED", "PRUNED"]
     fwd_tuned = triton.autotune(FWD_CONFIGS, key=TUNING_KEY)(fwd_kernel)
     bwd_tuned = triton.autotune(BWD_CONFIGS, key=TUNING_KEY)(bwd_kernel)
     assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in FWD_CONFIGS)
@@ -473,29 +508,40 @@ def gate_grad(dcq, dck, L_out, dtype):
     return dlog_fgate
 
 
-def _variant(c_parts, window, L):
+def acp_plan_of(c_parts, threshold):
+    """acp_plan (reference.py) of the (padded) sequence whose c split_c gave, at the kernels' blocks
+    (MAX_BLOCK positions); threshold (B, H) in natural-log units."""
+    offsets, blocks = c_parts
+    c_last = blocks + offsets[..., MAX_BLOCK - 1::MAX_BLOCK].double()
+    return acp_plan(blocks, c_last, threshold * math.log2(math.e))  # c_parts hold log2(e) * c
+
+
+def _variant(c_parts, window, L, plan=None):
     """The kernels' WINDOW and constexpr flags: GATED without c_parts is plain softmax attention (no c
     loads, no row or column sums: a variant of its own, so the gated one pays nothing for it); a window
-    that covers the whole (padded) sequence is no window."""
+    that covers the whole (padded) sequence is no window; PRUNED with an ACP plan."""
     windowed = window is not None and window < L
-    return dict(WINDOW=window if windowed else L, GATED=c_parts is not None, WINDOWED=windowed)
+    return dict(WINDOW=window if windowed else L, GATED=c_parts is not None, WINDOWED=windowed,
+                PRUNED=plan is not None)
 
 
-def triton_fwd(q, k, v, c_parts, scale, window=None):
-    """c_parts: split_c's pair, or None for no gate; window: the sliding window W, or None."""
+def triton_fwd(q, k, v, c_parts, scale, window=None, plan=None):
+    """c_parts: split_c's pair, or None for no gate; window: the sliding window W, or None; plan: None,
+    or acp_plan_of's pair, which skips the block pairs it prunes (needs the gate)."""
     B, H, L, D = q.shape
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _launch(fwd_tuned, fwd_kernel, FWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_M"]),
-            q, k, v, *(c_parts or (q, q)), o, lse2, scale * LOG2E.value,
+            q, k, v, *(c_parts or (q, q)), *(plan or (q, q)), o, lse2, scale * LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
-            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype), **_variant(c_parts, window, L))
+            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype), **_variant(c_parts, window, L, plan))
     return o, lse2
 
 
-def triton_bwd(q, k, v, c_parts, o, lse2, do, scale, window=None):
-    """Returns dq, dk, dv and the row and column sums dcq, dck (None without a gate)."""
+def triton_bwd(q, k, v, c_parts, o, lse2, do, scale, window=None, plan=None):
+    """Returns dq, dk, dv and the row and column sums dcq, dck (None without a gate); plan as in
+    triton_fwd (the same one: the backward differentiates the forward's function)."""
     B, H, L, D = q.shape
     delta = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(B * H * L // MAX_BLOCK,)](o, do, delta, HEAD_DIM=D, BLOCK=MAX_BLOCK)
@@ -504,11 +550,11 @@ def triton_bwd(q, k, v, c_parts, o, lse2, do, scale, window=None):
                 if c_parts is not None else (None, None))
     _launch(bwd_tuned, bwd_kernel, BWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_LARGE"]),
-            q, k, v, *(c_parts or (q, q)), do, lse2, delta, dq, dk, dv,
+            q, k, v, *(c_parts or (q, q)), *(plan or (q, q)), do, lse2, delta, dq, dk, dv,
             *((dcq, dck) if c_parts is not None else (delta, delta)), scale,
             scale * LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
-            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype), **_variant(c_parts, window, L))
+            HEAD_DIM=D, DOT_PREC=_dot_prec(q.dtype), **_variant(c_parts, window, L, plan))
     return dq, dk, dv, dcq, dck
 
 
