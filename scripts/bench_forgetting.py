@@ -25,7 +25,14 @@ the FLOPs of the keys its window holds, 4*B*H*D*(L*W - W^2/2) forward.
 
     python -m scripts.bench_forgetting --window 2048 --L 4096 8192 16384 --D 64 128
 
-The default shapes are the FoX issue's: 16 heads and B*L = 16384 tokens (B8 L2048 ... B1 L16384).
+The default shapes are the FoX issue's: 16 heads and B*L = 16384 tokens (B8 L2048 ... B1 L16384). The gate's
+logits are randn + --gate-bias (0: f ~ 0.5, a fast decay; 6: f ~ 0.998, a slow one).
+
+--prune-log-eps E adds our kernels with Adaptive Computation Pruning (prune_log_eps=E, arXiv:2504.06949) as
+a row of its own, compared with the exact op, and prints the share of causal 128 x 128 blocks it keeps; what
+it skips depends on the gate, so time it at the gate biases of interest:
+
+    python -m scripts.bench_forgetting --D 64 --prune-log-eps -10 --gate-bias 0 4 8
 
 One head dim over the four lengths takes minutes (compilation and autotuning of every
 implementation included); `--show-tuning` prints every config's time.
@@ -41,7 +48,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from kernels import fa4, forgetting
-from kernels.forgetting.triton import bwd_tuned, fwd_tuned
+from kernels.forgetting.reference import acp_threshold
+from kernels.forgetting.triton import acp_plan_of, bwd_tuned, fwd_tuned, padded_length, split_c
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 OURS, REF, FLA, FLEX, SDPA, CUDNN, FA4 = (
@@ -83,12 +91,29 @@ def rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def implementations(q, k, v, log_fgate, fla):
+def pruned_name(log_eps):
+    return f"FoX Triton, ACP log eps {log_eps:g} (ours)"
+
+
+def acp_kept_share(q, k, log_fgate, log_eps):
+    """The share of the causal 128 x 128 blocks that pruning with log_eps keeps on these inputs."""
+    L = q.shape[2]
+    c_parts = split_c(log_fgate.detach(), padded_length(L))
+    skip, _ = acp_plan_of(c_parts, acp_threshold(q.detach(), k.detach(), q.shape[-1] ** -0.5, log_eps, L))
+    blocks = torch.arange(skip.shape[-1], device=q.device)
+    return ((blocks - skip + 1).sum() / ((blocks + 1).sum() * skip.shape[0] * skip.shape[1])).item()
+
+
+def implementations(q, k, v, log_fgate, fla, prune_log_eps=None):
     """name -> (forward callable, its inputs, upstream-gradient layout transposed?), and the pairs of
     names whose outputs and gradients are compared."""
     B, H, L, D = q.shape
     impls = {OURS: (lambda: forgetting.forgetting_attn(q, k, v, log_fgate, impl="triton"),
                     (q, k, v, log_fgate), False)}
+    if prune_log_eps is not None:
+        impls[pruned_name(prune_log_eps)] = (
+            lambda: forgetting.forgetting_attn(q, k, v, log_fgate, prune_log_eps=prune_log_eps, impl="triton"),
+            (q, k, v, log_fgate), False)
     ref_bytes = B * H * L * L * 40  # fp64 bias, fp32 logits/probabilities and their gradients
     if ref_bytes < 0.6 * torch.cuda.get_device_properties(0).total_memory:
         impls[REF] = (
@@ -100,7 +125,8 @@ def implementations(q, k, v, log_fgate, fla):
         gt = log_fgate.detach().transpose(1, 2).contiguous().requires_grad_()
         impls[FLA] = (lambda: fla(qt, kt, vt, gt), (qt, kt, vt, gt), True)
     impls.update(sdpa_causal(q, k, v))
-    return impls, [(OURS, name) for name in (REF, FLA, FLEX) if name in impls]
+    pruned = [] if prune_log_eps is None else [(pruned_name(prune_log_eps), OURS)]
+    return impls, [(OURS, name) for name in (REF, FLA, FLEX) if name in impls] + pruned
 
 
 def window_implementations(q, k, v, log_fgate, window):
@@ -152,13 +178,13 @@ def forward_flops(B, H, L, D, window=None):
     return 4.0 * B * H * D * (L * W - W * W / 2)
 
 
-def bench_shape(B, H, L, D, dtype, fla, window=None):
+def bench_shape(B, H, L, D, dtype, fla, window=None, gate_bias=0.0, prune_log_eps=None):
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
-    log_fgate = F.logsigmoid(torch.randn(B, H, L, device="cuda")).requires_grad_()
+    log_fgate = F.logsigmoid(torch.randn(B, H, L, device="cuda") + gate_bias).requires_grad_()
     do = torch.randn(B, H, L, D, device="cuda", dtype=dtype)
     do_t = do.transpose(1, 2).contiguous()
     if window is None:
-        impls, compared = implementations(q, k, v, log_fgate, fla)
+        impls, compared = implementations(q, k, v, log_fgate, fla, prune_log_eps)
     else:
         impls, compared = window_implementations(q, k, v, log_fgate, window)
     windowed = {SWA, FLEX_SWA, FOX_SWA, FLEX_FOX_SWA}
@@ -199,6 +225,9 @@ def bench_shape(B, H, L, D, dtype, fla, window=None):
     notes = [f"{ours} vs {peer}: rel err of o, dq, dk, dv[, d log f] "
              + ", ".join(f"{rel_err(a, b):.1e}" for a, b in zip(outputs[ours], outputs[peer]))
              for ours, peer in compared if ours in outputs and peer in outputs]
+    if prune_log_eps is not None:
+        notes.append(f"ACP log eps {prune_log_eps:g}: keeps {acp_kept_share(q, k, log_fgate, prune_log_eps):.1%} of "
+                     f"the causal 128 x 128 blocks (gate bias {gate_bias:g})")
     notes.append("first fwd+bwd call (compile, autotune) s: " + ", ".join(f"{n} {t:.1f}" for n, t in setup.items()))
     return rows, notes
 
@@ -221,10 +250,18 @@ def main():
     p.add_argument("--dtype", choices=DTYPES, default="bf16")
     p.add_argument("--window", type=int, default=None,
                    help="time sliding-window attention over the last W positions instead (ours vs FlexAttention)")
+    p.add_argument("--gate-bias", type=float, nargs="+", default=[0.0],
+                   help="log f = logsigmoid(randn + bias), one table block per bias; larger: slower decay")
+    p.add_argument("--prune-log-eps", type=float, default=None,
+                   help="also time our kernels with Adaptive Computation Pruning at this log(eps) < 0")
     p.add_argument("--show-tuning", action="store_true", help="print every autotuned config's time")
     args = p.parse_args()
     if args.window is not None and args.window < 1:
         p.error(f"--window {args.window}: the window must be >= 1")
+    if args.prune_log_eps is not None and not args.prune_log_eps < 0:
+        p.error(f"--prune-log-eps {args.prune_log_eps}: log(eps) must be < 0 (e.g. -10)")
+    if args.prune_log_eps is not None and args.window is not None:
+        p.error("--prune-log-eps times the full causal op; leave out --window")
 
     t0 = time.time()
     fla, fla_error = load_fla()
@@ -234,23 +271,22 @@ def main():
     if args.window is not None:
         print(f"sliding window W = {args.window}: query i sees keys i-W+1 .. i (SDPA rows: full causal)")
     print()
-    print("| B | H | L | D | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
+    print("| gate bias | B | H | L | D | implementation | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s "
           "| time / SDPA fwd, fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for D in args.D:
-        for L in args.L:
-            B = args.B or max(1, 16384 // L)
-            H = args.H or 16
-            rows, notes = bench_shape(B, H, L, D, DTYPES[args.dtype], fla, args.window)
-            sdpa = {r[0]: r for r in rows}.get(SDPA)
-            for name, t_fwd, tf_fwd, t_all, tf_all in rows:
-                ratio = f"{t_fwd / sdpa[1]:.2f}, {t_all / sdpa[3]:.2f}" if sdpa else "-"
-                print(f"| {B} | {H} | {L} | {D} | {name} | {t_fwd:.3f} | {tf_fwd:.0f} | {t_all:.3f} "
-                      f"| {tf_all:.0f} | {ratio} |", flush=True)
-            # side notes go to stderr, keeping the table on stdout in one piece
-            notes = [f"L={L} D={D}: {n}" for n in notes]
-            notes += tuning_report(f"L={L} D={D}") if args.show_tuning else []
-            print("\n".join(notes), file=sys.stderr, flush=True)
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for gate_bias, D, L in ((g, D, L) for g in args.gate_bias for D in args.D for L in args.L):
+        B = args.B or max(1, 16384 // L)
+        H = args.H or 16
+        rows, notes = bench_shape(B, H, L, D, DTYPES[args.dtype], fla, args.window, gate_bias, args.prune_log_eps)
+        sdpa = {r[0]: r for r in rows}.get(SDPA)
+        for name, t_fwd, tf_fwd, t_all, tf_all in rows:
+            ratio = f"{t_fwd / sdpa[1]:.2f}, {t_all / sdpa[3]:.2f}" if sdpa else "-"
+            print(f"| {gate_bias:g} | {B} | {H} | {L} | {D} | {name} | {t_fwd:.3f} | {tf_fwd:.0f} | {t_all:.3f} "
+                  f"| {tf_all:.0f} | {ratio} |", flush=True)
+        # side notes go to stderr, keeping the table on stdout in one piece
+        notes = [f"L={L} D={D}: {n}" for n in notes]
+        notes += tuning_report(f"L={L} D={D}") if args.show_tuning else []
+        print("\n".join(notes), file=sys.stderr, flush=True)
     print()
     for name, tuner in (("forward", fwd_tuned), ("backward", bwd_tuned)):
         for key, cfg in tuner.cache.items():

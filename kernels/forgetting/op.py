@@ -23,7 +23,7 @@ class ForgettingAttnTriton(torch.autograd.Function):
                 if prune_log_eps is not None else ())
         o, lse2 = fox_triton.triton_fwd(q, k, v, c_parts or None, scale, window, plan or None)
         ctx.save_for_backward(q, k, v, o, lse2, *c_parts, *plan)
-        ctx.scale, ctx.window, ctx.L, ctx.D, ctx.pruned = scale, window, L, D, bool(plan)
+        ctx.scale, ctx.window, ctx.L, ctx.D, ctx.pruned = scale, window, L, D, prune_log_eps is not None
         ctx.gate_dtype = log_fgate.dtype if log_fgate is not None else None
         return o[..., :L, :D]
 

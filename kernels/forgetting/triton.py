@@ -454,7 +454,15 @@ if triton is not None:
         _cfg(4, 3, BLOCK_SMALL=32, BLOCK_SMALL_DQ=32, BLOCK_LARGE=64),
         _cfg(4, 2, BLOCK_SMALL=64, BLOCK_SMALL_DQ=64, BLOCK_LARGE=64),
     ]
-    TUNING_KEY = ["L", "WINDOW", "HEAD_DIM", "DOT_PREC", "GATED", "WINDOWED", "PRUNED"]
+    TUNING_KEY = ["L", "WINDOW", "HEAD_DIM", "DOT_PREC", "GATED", "WINDOWED"]
+    # Pruned launches take fixed tiles per head dim (<= 64, 128), the tuner's picks for the full causal work:
+    # how much ACP skips depends on the gates of the call that would tune (at init most blocks), and tiles
+    # tuned for that little work ran 20% slower once the gates kept every block (docs/forgetting_kernels.md)
+    # (one-config autotuners: the launch compiles under torch.compile as the tuned ones do)
+    fwd_pruned = {64: triton.autotune([FWD_CONFIGS[0]], key=TUNING_KEY)(fwd_kernel),
+                  128: triton.autotune([FWD_CONFIGS[2]], key=TUNING_KEY)(fwd_kernel)}
+    bwd_pruned = {64: triton.autotune([BWD_CONFIGS[0]], key=TUNING_KEY)(bwd_kernel),
+                  128: triton.autotune([BWD_CONFIGS[3]], key=TUNING_KEY)(bwd_kernel)}
     fwd_tuned = triton.autotune(FWD_CONFIGS, key=TUNING_KEY)(fwd_kernel)
     bwd_tuned = triton.autotune(BWD_CONFIGS, key=TUNING_KEY)(bwd_kernel)
     assert all(c.kwargs["BLOCK_M"] % c.kwargs["BLOCK_N"] == 0 for c in FWD_CONFIGS)
@@ -462,11 +470,14 @@ if triton is not None:
                for c in BWD_CONFIGS for sub in ("BLOCK_SMALL", "BLOCK_SMALL_DQ"))
 
 
-def _launch(tuned, kernel, fixed, grid_fn, *args, **kwargs):
-    """kernel with the fixed config of the interpreter or fp32, else its autotuner."""
+def _launch(tuned, pruned, kernel, fixed, grid_fn, *args, **kwargs):
+    """kernel with the fixed config of the interpreter or fp32, else the pruned variant's config for its head
+    dim (pruned), else its autotuner (tuned)."""
     mode = "interpret" if interpreting() else "fp32" if kwargs["DOT_PREC"] == "tf32x3" else None
     if mode:
         kernel[grid_fn(fixed[mode])](*args, **kwargs, **fixed[mode])
+    elif kwargs["PRUNED"]:
+        pruned[64 if kwargs["HEAD_DIM"] <= 64 else 128][grid_fn](*args, **kwargs)
     else:
         tuned[grid_fn](*args, **kwargs)
 
@@ -531,7 +542,7 @@ def triton_fwd(q, k, v, c_parts, scale, window=None, plan=None):
     B, H, L, D = q.shape
     o = torch.empty(B, H, L, D, dtype=q.dtype, device=q.device)
     lse2 = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
-    _launch(fwd_tuned, fwd_kernel, FWD_FIXED,
+    _launch(fwd_tuned, fwd_pruned, fwd_kernel, FWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_M"]),
             q, k, v, *(c_parts or (q, q)), *(plan or (q, q)), o, lse2, scale * LOG2E.value,
             *_strides(q), *_strides(k), *_strides(v), H, L,
@@ -548,7 +559,7 @@ def triton_bwd(q, k, v, c_parts, o, lse2, do, scale, window=None, plan=None):
     dq, dk, dv = (torch.empty(B, H, L, D, dtype=q.dtype, device=q.device) for _ in range(3))
     dcq, dck = ((torch.empty(B, H, L, dtype=torch.float32, device=q.device) for _ in range(2))
                 if c_parts is not None else (None, None))
-    _launch(bwd_tuned, bwd_kernel, BWD_FIXED,
+    _launch(bwd_tuned, bwd_pruned, bwd_kernel, BWD_FIXED,
             lambda meta: (B * H, L // meta["BLOCK_LARGE"]),
             q, k, v, *(c_parts or (q, q)), *(plan or (q, q)), do, lse2, delta, dq, dk, dv,
             *((dcq, dck) if c_parts is not None else (delta, delta)), scale,
