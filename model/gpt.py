@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kernels.castle import CastleCache, castle_attn, castle_decode, castle_prefill
 from kernels.forgetting import forgetting_attn, forgetting_decode
+from kernels.forgetting.op import check_prune_log_eps
 from kernels.fused import DEFAULT_CHUNK, LOSS_IMPLS, add_rms_norm, linear_cross_entropy, rms_norm, swiglu_linear
 from kernels.fused import reference as fused_reference
 from kernels.llama_step import MAX_BATCH as FUSED_MAX_BATCH
@@ -141,10 +142,7 @@ class GPTConfig:
         if tmin is not None and not 0 < tmin < tmax:
             raise ValueError(f"model.fgate_tmin={tmin}, model.fgate_tmax={tmax}: the decay times must satisfy "
                              "0 < fgate_tmin < fgate_tmax")
-        eps = self.fgate_prune_log_eps
-        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps < 0):
-            raise ValueError(f"model.fgate_prune_log_eps={eps!r}: pruning needs log(eps) < 0, the bound on the "
-                             "attention weight a row may lose (e.g. -10, the paper's); null turns it off")
+        check_prune_log_eps(self.fgate_prune_log_eps, "model.fgate_prune_log_eps")
         if tmin is not None and self.fgate_bias_init != 0:
             raise ValueError(f"model.fgate_bias_init={self.fgate_bias_init} and model.fgate_tmin/fgate_tmax both "
                              "set the forget-gate bias at init; set one of them")

@@ -247,7 +247,7 @@ def test_gate_experiment_configs_drop_only_the_gate_parameters(arch, fgate):
     (dict(fgate_tmin=0, fgate_tmax=2), r"fgate_tmin=0, model\.fgate_tmax=2: .* 0 < fgate_tmin"),
     (dict(fgate_tmin=-1, fgate_tmax=2), r"fgate_tmin=-1"),
     (dict(fgate="bias_only", fgate_tmin=2, fgate_tmax=8, fgate_bias_init=0.5), "both set the forget-gate bias"),
-    (dict(fgate_prune_log_eps=0.0), r"model\.fgate_prune_log_eps=0\.0: pruning needs log\(eps\) < 0"),
+    (dict(fgate_prune_log_eps=0.0), r"model\.fgate_prune_log_eps=0\.0 must be null/None \(no pruning\) or log\(eps\) < 0"),
     (dict(fgate_prune_log_eps=True), r"model\.fgate_prune_log_eps=True"),
     (dict(attention="baseline", pos="rope", fgate_prune_log_eps=-10), r"fgate_prune_log_eps=-10 only applies"),
 ])

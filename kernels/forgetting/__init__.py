@@ -7,12 +7,14 @@ Tensors are (B, H, L, D); `log_fgate` is (B, H, L), the log forget gate (<= 0), 
 The bias c_i - c_j is not scaled by `scale` (D_ij = log F_ij, eq (12)).
 
 Public API
-- `forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, impl="auto")`: the op;
+- `forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, prune_log_eps=None, impl="auto")`: the op;
   `impl="torch"` is the materialized reference (also works in fp64), `impl="triton"` the
   FlashAttention-2 style kernels (forward + backward). `window=W`: query i sees keys i-W+1 .. i only
   (sliding window; the kernels visit only the key tiles it touches). `log_fgate=None`: no gate, plain
   causal softmax attention; with a window this is how the model runs the Transformer-SWA (FoX
   arXiv:2503.02130 §F.4), through a kernel variant compiled without the gate's loads and sums.
+  `prune_log_eps`: Adaptive Computation Pruning (arXiv:2504.06949 §3; reference.acp_threshold, acp_plan):
+  the blocks whose bias bounds what a row loses below eps are skipped; off (None) by default.
 - `fgate_cumsum`, `forgetting_decode`: cached decoding (the cache holds K, V and c), through tree
   attention's split-KV step (kernels/tree.py), whose Triton kernel computes the gate's logits from c.
 

@@ -62,11 +62,11 @@ def check_window(window):
         raise ValueError(f"window={window!r} must be None (full causal attention) or an integer >= 1")
 
 
-def check_prune_log_eps(prune_log_eps):
-    if prune_log_eps is not None and (isinstance(prune_log_eps, bool) or not isinstance(prune_log_eps, (int, float))
-                                      or not prune_log_eps < 0):
-        raise ValueError(f"prune_log_eps={prune_log_eps!r} must be None (no pruning) or log(eps) < 0, the bound on "
-                         "the attention weight a row may lose (the paper recommends -10)")
+def check_prune_log_eps(value, name="prune_log_eps"):
+    """A ValueError naming the option `name` unless value is None or a number < 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value < 0):
+        raise ValueError(f"{name}={value!r} must be null/None (no pruning) or log(eps) < 0, the bound on the "
+                         "attention weight a row may lose (the paper recommends -10)")
 
 
 def forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, prune_log_eps=None, impl="auto"):
