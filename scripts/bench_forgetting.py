@@ -48,7 +48,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from kernels import fa4, forgetting
-from kernels.forgetting.reference import acp_threshold
 from kernels.forgetting.triton import acp_plan_of, bwd_tuned, fwd_tuned, padded_length, split_c
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -99,7 +98,7 @@ def acp_kept_share(q, k, log_fgate, log_eps):
     """The share of the causal 128 x 128 blocks that pruning with log_eps keeps on these inputs."""
     L = q.shape[2]
     c_parts = split_c(log_fgate.detach(), padded_length(L))
-    skip, _ = acp_plan_of(c_parts, acp_threshold(q.detach(), k.detach(), q.shape[-1] ** -0.5, log_eps, L))
+    skip, _ = acp_plan_of(q.detach(), k.detach(), c_parts, q.shape[-1] ** -0.5, log_eps, L)  # L: a multiple of 128
     blocks = torch.arange(skip.shape[-1], device=q.device)
     return ((blocks - skip + 1).sum() / ((blocks + 1).sum() * skip.shape[0] * skip.shape[1])).item()
 

@@ -372,19 +372,44 @@ def test_window_must_be_positive_int(window):
 # ---------------------------------------------------------------------------------------------
 
 def test_acp_plan_is_the_block_rule():
-    """skip and q_end describe one set of block pairs: query block a keeps key block b <= a iff b = a or
-    c_first[a] - c_last[b] >= threshold (brute force over every pair)."""
-    n = 9
+    """skip and q_end describe one set of block pairs, and prune only what the rule lets go: key block b < a
+    may go for query block a iff c_first[a] - c_last[b] + bounds[a, b] < log eps - log L (brute force over every
+    pair). skip[a] is the shortest run of such leading blocks over a and the later query blocks; with bounds
+    constant per head (the paper's form) it is the run itself."""
+    n, log_eps, L = 9, -3.0, 36
     c = F.logsigmoid(torch.randn(3, 2, n * 4, dtype=torch.float64) - 1).cumsum(-1)
     c_first, c_last = c[..., ::4], c[..., 3::4]
-    threshold = -6 * torch.rand(3, 2, dtype=torch.float64)
-    skip, q_end = reference.acp_plan(c_first, c_last, threshold)
-    for b_, h in ((b_, h) for b_ in range(3) for h in range(2)):
-        for a in range(n):
-            for b in range(a + 1):
-                kept = b == a or (c_first[b_, h, a] - c_last[b_, h, b]).item() >= threshold[b_, h].item()
-                assert kept == (b >= skip[b_, h, a]) == (a < q_end[b_, h, b])
-    assert 0 < (skip > 0).float().mean() < 1  # both outcomes occur
+    per_pair = 12 * torch.rand(3, 2, n, n, dtype=torch.float64)
+    per_head = torch.rand(3, 2, 1, 1, dtype=torch.float64).expand(3, 2, n, n)
+    for bounds in (per_pair, per_head):
+        skip, q_end = reference.acp_plan(c_first, c_last, bounds, log_eps, L)
+        may_go = c_first[..., :, None] - c_last[..., None, :] + bounds < log_eps - math.log(L)
+        leading = torch.tensor([[[next((b for b in range(a) if not may_go[i, h, a, b]), a) for a in range(n)]
+                                 for h in range(2)] for i in range(3)])
+        assert torch.equal(skip.long(), torch.stack([leading[..., a:].amin(-1) for a in range(n)], -1))
+        if bounds is per_head:  # c never increases, so the leading runs never shrink
+            assert torch.equal(skip.long(), leading)
+        else:  # the case that needs the lowering occurs
+            assert (leading[..., 1:] < leading[..., :-1]).any()
+        for i, h, a, b in ((i, h, a, b) for i in range(3) for h in range(2) for a in range(n) for b in range(a + 1)):
+            assert (b >= skip[i, h, a]) == (a < q_end[i, h, b])
+        assert 0 < (skip > 0).float().mean() < 1  # both outcomes occur
+
+
+def test_acp_block_bounds_hold():
+    """bounds[a, b] >= scale q_i.k_j - scale q_i.k_i for every i of block a and j of block b (brute force; L is
+    not a multiple of the block), and the bound is not slack by more than the norms' product allows."""
+    B, H, L, D, block = 2, 3, 29, 8, 8
+    q, k = (torch.randn(B, H, L, D, dtype=torch.float64) for _ in range(2))
+    bounds = reference.acp_block_bounds(q, k, 0.3, block)
+    logits = 0.3 * q @ k.transpose(-1, -2)
+    excess = logits - logits.diagonal(dim1=-2, dim2=-1)[..., :, None]   # [i, j]: s q_i.k_j - s q_i.k_i
+    n = -(-L // block)
+    assert bounds.shape == (B, H, n, n)
+    for a, b in ((a, b) for a in range(n) for b in range(n)):
+        worst = excess[..., a * block:(a + 1) * block, b * block:(b + 1) * block].amax((-2, -1))
+        assert (bounds[..., a, b] >= worst - 1e-12).all()
+        assert (bounds[..., a, b] <= worst + 2 * 0.3 * q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1)).all()
 
 
 def _lost_weight(q, k, v, log_fgate, log_eps):
@@ -401,7 +426,7 @@ def _lost_weight(q, k, v, log_fgate, log_eps):
 
 @pytest.mark.parametrize("log_eps", [-1.0, -10.0])
 def test_acp_bound(log_eps):
-    """What a row loses weighs less than eps (the threshold's guarantee), and pruning happens."""
+    """What a row loses weighs less than eps (acp_block_bounds' guarantee), and pruning happens."""
     q, k, v, log_fgate = make_inputs(2, 3, 3 * MAX_BLOCK + 5, 16, decay="strong")
     lost, fraction = _lost_weight(2 * q, k, v, log_fgate, log_eps)
     print(f"log eps {log_eps}: pruned {fraction:.0%} of the causal entries, largest row loss {lost.max():.1e}")
@@ -420,12 +445,14 @@ def test_acp_changes_outputs_by_eps():
 
 @pytest.fixture
 def aggressive_acp(monkeypatch):
-    """A threshold of -1 (nats) for every head: pruning that changes the outputs visibly, so that a
-    kernel which skips other block pairs than the plan's fails a comparison with the masked reference."""
-    import kernels.forgetting.op as fox_op
-    threshold = lambda q, k, scale, log_eps, L: torch.full(q.shape[:2], -1.0, dtype=torch.float64, device=q.device)
-    monkeypatch.setattr(fox_op, "acp_threshold", threshold)
-    monkeypatch.setattr(reference, "acp_threshold", threshold)
+    """Bounds of -13.5 for every block pair: with log eps -10 and L = 67 to 150 a key block goes once c has
+    dropped by more than 0.7-1.5 from it, pruning that changes the outputs visibly, so that a kernel which
+    skips other block pairs than the plan's fails a comparison with the masked reference."""
+    def bounds(q, k, scale, block):
+        n = -(-q.shape[-2] // block)
+        return torch.full((*q.shape[:2], n, n), -13.5, dtype=torch.float64, device=q.device)
+    monkeypatch.setattr(fox_triton, "acp_block_bounds", bounds)
+    monkeypatch.setattr(reference, "acp_block_bounds", bounds)
 
 
 @pytest.mark.usefixtures("aggressive_acp")

@@ -13,7 +13,7 @@ Public API
   (sliding window; the kernels visit only the key tiles it touches). `log_fgate=None`: no gate, plain
   causal softmax attention; with a window this is how the model runs the Transformer-SWA (FoX
   arXiv:2503.02130 §F.4), through a kernel variant compiled without the gate's loads and sums.
-  `prune_log_eps`: Adaptive Computation Pruning (arXiv:2504.06949 §3; reference.acp_threshold, acp_plan):
+  `prune_log_eps`: Adaptive Computation Pruning (arXiv:2504.06949 §3; reference.acp_block_bounds, acp_plan):
   the blocks whose bias bounds what a row loses below eps are skipped; off (None) by default.
 - `fgate_cumsum`, `forgetting_decode`: cached decoding (the cache holds K, V and c), through tree
   attention's split-KV step (kernels/tree.py), whose Triton kernel computes the gate's logits from c.

@@ -2,7 +2,7 @@
 import torch
 
 from kernels.forgetting import triton as fox_triton
-from kernels.forgetting.reference import acp_threshold, reference_attn
+from kernels.forgetting.reference import reference_attn
 from kernels.triton_utils import interpreting, padded_head_dim, require_triton, triton
 
 
@@ -18,9 +18,7 @@ class ForgettingAttnTriton(torch.autograd.Function):
         q, k, v = (fox_triton.pad(x, Lp, Dp) for x in (q, k, v))
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         c_parts = fox_triton.split_c(log_fgate, Lp) if log_fgate is not None else ()
-        # ACP's bound counts the L real positions (the zero padding changes no norm)
-        plan = (fox_triton.acp_plan_of(c_parts, acp_threshold(q, k, scale, prune_log_eps, L))
-                if prune_log_eps is not None else ())
+        plan = fox_triton.acp_plan_of(q, k, c_parts, scale, prune_log_eps, L) if prune_log_eps is not None else ()
         o, lse2 = fox_triton.triton_fwd(q, k, v, c_parts or None, scale, window, plan or None)
         ctx.save_for_backward(q, k, v, o, lse2, *c_parts, *plan)
         ctx.scale, ctx.window, ctx.L, ctx.D, ctx.pruned = scale, window, L, D, prune_log_eps is not None
@@ -80,7 +78,7 @@ def forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, prune_log_ep
             window); the Triton kernels skip the key tiles outside it.
     prune_log_eps: None (exact), or log(eps) < 0: Adaptive Computation Pruning (arXiv:2504.06949 §3)
             skips the blocks of MAX_BLOCK x MAX_BLOCK entries (128; 16 under the interpreter) whose bias
-            c_i - c_j is so negative that all a row loses weighs less than eps (reference.acp_threshold:
+            c_i - c_j is so negative that all a row loses weighs less than eps (reference.acp_block_bounds:
             the bound holds for any inputs). Needs the gate; the torch reference masks the same blocks.
     impl: "auto" (Triton on CUDA, torch elsewhere), "torch" (materialized reference) or
           "triton" (on CPU only under TRITON_INTERPRET=1).

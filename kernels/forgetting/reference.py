@@ -56,21 +56,31 @@ def reference_attn(q, k, v, log_fgate, scale, window=None, prune=None):
 
 # -------------------------------------------------------------------------------------------------
 # Adaptive Computation Pruning (ACP; Lin et al., arXiv:2504.06949 §3): skip the (query block, key block)
-# pairs whose largest bias c_i - c_j is below a threshold that bounds the weight they could carry.
+# pairs whose entries provably weigh so little that all a row loses weighs less than eps.
 # -------------------------------------------------------------------------------------------------
 
-def acp_threshold(q, k, scale, log_eps, L):
-    """The pruning threshold delta per (batch, head), (B, H), in the units of c (natural log):
-    delta = log_eps - 2 U - log L, U = scale * max_i |q_i| * max_j |k_j| >= |scale q_i.k_j|.
+def acp_block_bounds(q, k, scale, block):
+    """(B, H, n, n) with n = ceil(L / block): for query block a and key block b an upper bound on
+    scale q_i.k_j - scale q_i.k_i over the i of a and the j of b,
 
-    Why it is safe: a weight is exp(scale q_i.k_j + c_i - c_j - lse_i), and lse_i >= scale q_i.k_i >= -U
-    (the diagonal term, which is never pruned), so an entry with c_i - c_j < delta weighs less than
-    exp(2 U + delta) = eps / L, and the up to L entries a row loses together weigh less than eps.
-    U is measured on the inputs, so the bound holds for any q and k (with QK-norm it is at most the
-    norms' scales times sqrt(D), the bound of the paper)."""
+        bound[a, b] = scale max_{i in a} |q_i| max_{j in b} |k_j| + max_{i in a} (-scale q_i.k_i)
+
+    Why it is what ACP needs: a weight is exp(scale q_i.k_j + c_i - c_j - lse_i), and lse_i >= scale q_i.k_i
+    (the diagonal entry: its bias is 0 and it is never pruned). So every entry of the pair weighs less than
+    exp(bound[a, b] + c_first[a] - c_last[b]) (c never increases), and a pair where that is below eps / L
+    can go: the up to L entries a row loses then weigh less than eps together. Measured on the inputs, the
+    bound holds for any q and k; it is tighter than the paper's 2U (U >= |scale q.k| everywhere: one bound
+    for the numerator and one for lse_i).
+    Positions past L are zeros (norm 0, diagonal logit 0): they only loosen the bound."""
     ct = at_least_fp32(q.dtype)
-    norms = [torch.linalg.vector_norm(x, dim=-1, dtype=ct).amax(-1) for x in (q, k)]
-    return log_eps - 2 * scale * norms[0] * norms[1] - math.log(L)
+    L = q.shape[-2]
+    n = -(-L // block)
+
+    def per_block(x):  # (B, H, L) -> (B, H, n), the max over each block, zeros past L
+        return torch.nn.functional.pad(x, (0, n * block - L)).unflatten(-1, (n, block)).amax(-1)
+    q_norm, k_norm = (per_block(torch.linalg.vector_norm(x, dim=-1, dtype=ct)) for x in (q, k))
+    diag = per_block(-scale * (q.to(ct) * k.to(ct)).sum(-1))
+    return scale * q_norm[..., :, None] * k_norm[..., None, :] + diag[..., :, None]
 
 
 def acp_kept(q, k, c, scale, log_eps, block):
@@ -79,24 +89,26 @@ def acp_kept(q, k, c, scale, log_eps, block):
     L = q.shape[-2]
     first = torch.arange(0, L, block, device=q.device)
     last = (first + block - 1).clamp_max(L - 1)  # c stays constant after L (the kernels' padding)
-    skip, _ = acp_plan(c[..., first], c[..., last], acp_threshold(q, k, scale, log_eps, L))
+    skip, _ = acp_plan(c[..., first], c[..., last], acp_block_bounds(q, k, scale, block), log_eps, L)
     keys = torch.arange(L, device=q.device) // block
     return keys[None, :] >= skip.repeat_interleave(block, -1)[..., :L, None]
 
 
-def acp_plan(c_first, c_last, threshold):
-    """Which block pairs ACP keeps, from c at each block's first and last position, (B, H, n) with
-    n blocks, and the threshold (B, H) in the same units. Query block a keeps key block b <= a iff
-    c_first[a] - c_last[b] >= threshold (the largest c_i - c_j of the pair: c never increases).
+def acp_plan(c_first, c_last, bounds, log_eps, L):
+    """Which block pairs ACP keeps: c (natural log) at each block's first and last position, (B, H, n) with
+    n blocks, acp_block_bounds' (B, H, n, n), and log eps for a sequence of L positions. Key block b < a may
+    go for query block a iff c_first[a] - c_last[b] + bounds[a, b] < log eps - log L (acp_block_bounds).
 
     Returns int32 (B, H, n) tensors `skip` (query block a skips key blocks 0 .. skip[a] - 1) and `q_end`
-    (key block b is seen by query blocks b .. q_end[b] - 1): the same pairs, for the loops over keys and
-    the loop over queries. The diagonal block is always kept (so the bound of acp_threshold holds), and
-    skip is made non-decreasing, so that both describe one set of pairs whatever c is."""
+    (key block b is seen by query blocks b .. q_end[b] - 1): the same pairs, for the loops over keys and the
+    loop over queries. skip[a] is the run of leading key blocks that may go, lowered where a later query block's
+    run is shorter: non-decreasing, so the query blocks that keep a key block are a run too, and never more
+    than may go. The diagonal block is always kept."""
     n = c_first.shape[-1]
     blocks = torch.arange(n, device=c_first.device)
-    below = c_first[..., :, None] - c_last[..., None, :] < threshold[..., None, None]  # (B, H, a, b)
-    pruned = below & (blocks[None, :] < blocks[:, None])
-    skip = pruned.sum(-1).cummax(-1).values
+    negligible = c_first[..., :, None] - c_last[..., None, :] + bounds < log_eps - math.log(L)  # (B, H, a, b)
+    may_go = negligible & (blocks[None, :] < blocks[:, None])
+    run = may_go.to(torch.int32).cumprod(-1).sum(-1)
+    skip = run.flip(-1).cummin(-1).values.flip(-1)
     q_end = (skip[..., None, :] <= blocks[:, None]).sum(-1)
     return skip.to(torch.int32), q_end.to(torch.int32)

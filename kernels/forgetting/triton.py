@@ -42,7 +42,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kernels.forgetting.reference import acp_plan
+from kernels.forgetting.reference import acp_block_bounds, acp_plan
 from kernels.triton_utils import interpreting, tl, triton
 
 MAX_BLOCK = 16 if interpreting() else 128  # every tile size divides this; L is padded to it
@@ -519,12 +519,12 @@ def gate_grad(dcq, dck, L_out, dtype):
     return dlog_fgate
 
 
-def acp_plan_of(c_parts, threshold):
-    """acp_plan (reference.py) of the (padded) sequence whose c split_c gave, at the kernels' blocks
-    (MAX_BLOCK positions); threshold (B, H) in natural-log units."""
-    offsets, blocks = c_parts
+def acp_plan_of(q, k, c_parts, scale, log_eps, L):
+    """acp_plan (reference.py) at the kernels' blocks (MAX_BLOCK positions) for the padded q, k and the c
+    that split_c gave; L: the real length."""
+    offsets, blocks = c_parts  # log2(e) * c
     c_last = blocks + offsets[..., MAX_BLOCK - 1::MAX_BLOCK].double()
-    return acp_plan(blocks, c_last, threshold * math.log2(math.e))  # c_parts hold log2(e) * c
+    return acp_plan(blocks * math.log(2), c_last * math.log(2), acp_block_bounds(q, k, scale, MAX_BLOCK), log_eps, L)
 
 
 def _variant(c_parts, window, L, plan=None):
