@@ -23,10 +23,10 @@ arXiv:2503.02130 App. E, Algorithms 1 and 2) and the gate's cumsum and its adjoi
   softmax attention (with a window: sliding-window attention). GATED and WINDOWED are constexpr, so
   each variant compiles on its own and the gated causal kernel is the code it was without them.
 - Adaptive Computation Pruning (ACP, arXiv:2504.06949 §3; optional, plan=acp_plan_of(...)): the block
-  pairs whose largest bias is below a threshold are skipped. The plan is per MAX_BLOCK block, a multiple
-  of every tile, so the forward, both backward loops and every tile config skip the same pairs: each
-  loop's bounds move (SKIP: the first kept key block of a query block; QEND: the end of the query blocks
-  that keep a key block), no branch inside a loop.
+  pairs whose entries provably weigh too little (reference.acp_block_bounds) are skipped. The plan is per
+  MAX_BLOCK block, a multiple of every tile, so the forward, both backward loops and every tile config skip
+  the same pairs: each loop's bounds move (SKIP: the first kept key block of a query block; QEND: the end of
+  the query blocks that keep a key block), no branch inside a loop.
 - Any L: inputs are zero-padded at the end to a multiple of MAX_BLOCK. Padded positions
   come after every real one, so causality keeps them out of the real outputs and gradients.
   Kernels therefore need no tail masks. Head dims that are not powers of two are zero-padded.
