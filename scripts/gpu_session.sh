@@ -16,6 +16,7 @@
 #   bash scripts/gpu_session.sh memory               # the memory plan next to measured peaks (four configurations)
 #   bash scripts/gpu_session.sh tiles                # FoX: every autotune config's GPU test, then the times vs cuDNN (tuner's picks)
 #   bash scripts/gpu_session.sh kernels              # FoX vs its peers, SWA vs FlexAttention, CASTLE D=128 sweep, decode
+#   bash scripts/gpu_session.sh acp                  # FoX's pruning (ACP): its GPU tests, then the kernels at four gate biases
 #   bash scripts/gpu_session.sh multi                # 2-4 GPUs: tree attention, sharded decoding, 2-GPU tests, DDP/FSDP scaling
 #   bash scripts/gpu_session.sh scale                # 2-4 GPUs: full vs dcp checkpoint saves of Baseline-XL
 #   bash scripts/gpu_session.sh fsdp                 # 2-4 GPUs: CASTLE-XL, FoX (Pro) 760M under FSDP2 + checkpointing
@@ -103,6 +104,10 @@ case "${1:-tests}" in
   tiles)   python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py -k every_tuned_config 2>&1 \
              | tee "$OUT/pytest_tiles.log" | tail -4
            python -m scripts.bench_forgetting --D 64 128 --show-tuning 2>&1 | tee "$OUT/bench_forgetting.log" | tail -30 ;;
+  acp)     python -m pytest -m gpu -q -rs tests/test_forgetting_kernels.py tests/test_gpu_model.py -k "acp or real_shape" \
+             2>&1 | tee "$OUT/pytest_acp.log" | tail -4
+           python -m scripts.bench_forgetting --D 64 --L 16384 --prune-log-eps -10 --gate-bias 0 4 6 8 2>&1 \
+             | tee "$OUT/bench_acp.log" | grep -E "^\||keeps" ;;
   kernels) python -m scripts.bench_forgetting --L 2048 16384 2>&1 | tee "$OUT/bench_forgetting.log" | tail -12
            timeout 300 python -m scripts.bench_forgetting --window 2048 --L 4096 16384 --D 64 128 2>&1 \
              | tee "$OUT/bench_swa.log" | tail -16
