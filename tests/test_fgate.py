@@ -157,6 +157,16 @@ def test_pruning_option_reaches_the_op_and_keeps_the_loss(monkeypatch, window):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_pruning_compiles_in_one_graph():
+    """The pruning plan (acp_block_bounds, acp_plan: what the Triton path computes too) traces without a graph
+    break; the compiled model's loss is the eager one's."""
+    model = GPT(tiny(fgate_bias_init=-2.0, block_size=64, qk_norm=True, fgate_prune_log_eps=-10.0))
+    idx = torch.randint(0, 97, (2, 61))
+    _, loss = torch.compile(model, fullgraph=True, backend="aot_eager")(idx[:, :-1], idx[:, 1:])
+    _, eager_loss = model(idx[:, :-1], idx[:, 1:])
+    torch.testing.assert_close(loss, eager_loss)
+
+
 @pytest.mark.parametrize("fgate", ["data_dependent", "bias_only", "fixed"])
 def test_each_variant_learns(fgate):
     """A few AdamW steps on one batch lower the loss (the fixed gate only through the other weights)."""
