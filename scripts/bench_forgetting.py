@@ -48,6 +48,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from kernels import fa4, forgetting
+from kernels.forgetting.op import check_prune_log_eps
 from kernels.forgetting.triton import acp_plan_of, bwd_tuned, fwd_tuned, padded_length, split_c
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -98,7 +99,7 @@ def acp_kept_share(q, k, log_fgate, log_eps):
     """The share of the causal 128 x 128 blocks that pruning with log_eps keeps on these inputs."""
     L = q.shape[2]
     c_parts = split_c(log_fgate.detach(), padded_length(L))
-    skip, _ = acp_plan_of(q.detach(), k.detach(), c_parts, q.shape[-1] ** -0.5, log_eps, L)  # L: a multiple of 128
+    skip, _ = acp_plan_of(q.detach(), k.detach(), c_parts, q.shape[-1] ** -0.5, log_eps, L)
     blocks = torch.arange(skip.shape[-1], device=q.device)
     return ((blocks - skip + 1).sum() / ((blocks + 1).sum() * skip.shape[0] * skip.shape[1])).item()
 
@@ -257,8 +258,10 @@ def main():
     args = p.parse_args()
     if args.window is not None and args.window < 1:
         p.error(f"--window {args.window}: the window must be >= 1")
-    if args.prune_log_eps is not None and not args.prune_log_eps < 0:
-        p.error(f"--prune-log-eps {args.prune_log_eps}: log(eps) must be < 0 (e.g. -10)")
+    try:
+        check_prune_log_eps(args.prune_log_eps, "--prune-log-eps")
+    except ValueError as e:
+        p.error(str(e))
     if args.prune_log_eps is not None and args.window is not None:
         p.error("--prune-log-eps times the full causal op; leave out --window")
 

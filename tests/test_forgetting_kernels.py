@@ -412,7 +412,7 @@ def test_acp_block_bounds_hold():
         assert (bounds[..., a, b] <= worst + 2 * 0.3 * q.norm(dim=-1).amax(-1) * k.norm(dim=-1).amax(-1)).all()
 
 
-def _lost_weight(q, k, v, log_fgate, log_eps):
+def _lost_weight(q, k, log_fgate, log_eps):
     """Per row, the exact attention weight of the entries ACP prunes (fp64); and how many it prunes."""
     q, k, log_fgate = q.double(), k.double(), log_fgate.double()
     L, scale = q.shape[-2], q.shape[-1] ** -0.5
@@ -428,7 +428,7 @@ def _lost_weight(q, k, v, log_fgate, log_eps):
 def test_acp_bound(log_eps):
     """What a row loses weighs less than eps (acp_block_bounds' guarantee), and pruning happens."""
     q, k, v, log_fgate = make_inputs(2, 3, 3 * MAX_BLOCK + 5, 16, decay="strong")
-    lost, fraction = _lost_weight(2 * q, k, v, log_fgate, log_eps)
+    lost, fraction = _lost_weight(2 * q, k, log_fgate, log_eps)
     print(f"log eps {log_eps}: pruned {fraction:.0%} of the causal entries, largest row loss {lost.max():.1e}")
     assert fraction > 0.2 and lost.max() < math.exp(log_eps)
 
@@ -437,7 +437,7 @@ def test_acp_changes_outputs_by_eps():
     """forgetting_attn(prune_log_eps=-10), Triton, against the exact fp64 reference: output and every gradient
     as close as without pruning, while most of the entries are pruned."""
     q, k, v, log_fgate = make_inputs(1, 2, 3 * MAX_BLOCK + 5, 32, decay="strong")
-    assert _lost_weight(q, k, v, log_fgate, -10.0)[1] > 0.3
+    assert _lost_weight(q, k, log_fgate, -10.0)[1] > 0.3
     o, grads, do = run(q, k, v, log_fgate, prune_log_eps=-10.0, impl="triton")
     o_ref, grads_ref, _ = run_fp64(q, k, v, log_fgate, do)
     check(o, grads, o_ref, grads_ref, 2e-5)
@@ -516,7 +516,7 @@ def test_gpu_acp_bf16(D):
     """prune_log_eps=-10 in bf16 at L = 4096, strongly decaying gates (most blocks pruned), against the
     exact fp32 reference: as close as the unpruned kernels (test_gpu_real_shape_bf16)."""
     q, k, v, log_fgate = make_inputs(1, 2048 // D, 4096, D, torch.bfloat16, "strong")
-    assert _lost_weight(q[:, :2], k[:, :2], v[:, :2], log_fgate[:, :2], -10.0)[1] > 0.8
+    assert _lost_weight(q[:, :2], k[:, :2], log_fgate[:, :2], -10.0)[1] > 0.8
     o, grads, do = run(q, k, v, log_fgate, prune_log_eps=-10.0)
     o_ref, grads_ref, _ = run(*(x.float() for x in (q, k, v)), log_fgate, do=do.float(), impl="torch")
     check(o, grads, o_ref, grads_ref, 1e-2)

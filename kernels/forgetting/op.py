@@ -85,10 +85,11 @@ def forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, prune_log_ep
     """
     check_inputs(q, k, v, log_fgate, window, prune_log_eps)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    prune_log_eps = None if prune_log_eps is None else float(prune_log_eps)
     if impl == "auto":
         impl = "triton" if q.is_cuda and triton is not None else "torch"
     if impl == "torch":
-        prune = None if prune_log_eps is None else (float(prune_log_eps), fox_triton.MAX_BLOCK)
+        prune = None if prune_log_eps is None else (prune_log_eps, fox_triton.MAX_BLOCK)
         return reference_attn(q, k, v, log_fgate, scale, window, prune)
     if impl != "triton":
         raise ValueError(f"impl must be 'auto', 'torch' or 'triton', got {impl!r}")
@@ -97,5 +98,4 @@ def forgetting_attn(q, k, v, log_fgate, *, scale=None, window=None, prune_log_ep
         raise RuntimeError("impl='triton' needs a CUDA tensor or TRITON_INTERPRET=1")
     if q.dtype not in (torch.float32, torch.bfloat16, torch.float16) or q.shape[-1] > 128:
         raise ValueError(f"triton path supports fp32/bf16/fp16 and D <= 128, got {q.dtype}, D={q.shape[-1]}")
-    prune_log_eps = None if prune_log_eps is None else float(prune_log_eps)
     return ForgettingAttnTriton.apply(q, k, v, log_fgate, scale, window, prune_log_eps)

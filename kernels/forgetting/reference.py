@@ -34,7 +34,9 @@ def attend(q, k, v, c_q, c_k, scale, window=None, kept=None):
     s = scale * (q.to(ct) @ k.to(ct).transpose(-1, -2))
     if c_q is not None:
         s = s + (c_q.to(torch.float64)[..., :, None] - c_k.to(torch.float64)[..., None, :]).to(ct)
-    seen = visible(M, N, window, q.device) if kept is None else visible(M, N, window, q.device) & kept
+    seen = visible(M, N, window, q.device)
+    if kept is not None:
+        seen = seen & kept
     p = torch.softmax(s.masked_fill(~seen, float("-inf")), dim=-1)
     return (p @ v.to(ct)).to(q.dtype)
 
